@@ -1,0 +1,248 @@
+"""The one config schema: frozen dataclasses, filled from a YAML file and `key.sub=value` overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; raised before any data is loaded or anything is compiled."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 320  # the byte tokenizer's 257 ids, padded to a multiple of 64
+    max_seq_len: int = 256  # learned positions: the longest sequence the model supports
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    mlp_ratio: int = 4
+    dtype: str = "float32"  # compute dtype (bfloat16 on GPUs)
+    param_dtype: str = "float32"  # parameters and optimizer state stay float32
+    attention: str = "auto"  # jax.nn.dot_product_attention implementation: auto, xla or cudnn
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "stdlib"  # "stdlib", a hub dataset name, local files (glob), or a save_to_disk directory
+    name: str = ""  # hub dataset configuration name, if the dataset has several
+    split: str = "train"
+    text_column: str = "text"
+    tokenizer: str = "byte"  # "byte" or a local path to a Hugging Face tokenizer
+    seq_len: int = 128
+    val_tokens: int = 32768  # whole documents are held out for validation until this many tokens
+    cache_dir: str = ""  # default: $JDP_CACHE or ~/.cache/jdp
+    num_proc: int = 0  # tokenization worker processes; 0 picks from the CPU count
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    name: str = "adamw"  # adamw or sgd
+    lr: float = 1e-3  # peak learning rate
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
+    weight_decay: float = 0.1  # adamw only; never applied to norms, biases or embeddings
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    momentum: float = 0.9  # sgd only; 0 for plain SGD
+    grad_clip: float = 1.0  # clip by global norm; 0 switches clipping off
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 300
+    batch_size: int = 32  # global batch, in sequences, over all devices of all processes
+    grad_accum: int = 1  # micro-batches per optimizer step; one gradient all-reduce per step
+    seed: int = 0
+    run_dir: str = ""  # default: runs/<config>-<time>
+    log_every: int = 10
+    eval_every: int = 100  # 0: evaluate only at the end
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_SECTION_TYPES = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig}
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def valid_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in _SECTION_TYPES.items() for f in dataclasses.fields(cls)]
+
+
+def _field_type(section: str, key: str) -> type:
+    if section not in _SECTION_TYPES:
+        raise ConfigError(f"unknown config section {section!r}; valid keys:\n  " + "\n  ".join(valid_keys()))
+    for f in dataclasses.fields(_SECTION_TYPES[section]):
+        if f.name == key:
+            return _TYPES[f.type]
+    raise ConfigError(f"unknown config key '{section}.{key}'; valid keys:\n  " + "\n  ".join(valid_keys()))
+
+
+def _coerce(where: str, typ: type, value: Any, from_text: bool) -> Any:
+    """Check (file values) or parse (command-line text) one value against its field type."""
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            if from_text and str(value).lower() in ("true", "1", "yes", "false", "0", "no"):
+                return str(value).lower() in ("true", "1", "yes")
+        elif typ is int:
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+            if from_text:
+                return int(str(value).replace("_", ""))
+        elif typ is float:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+            if from_text or isinstance(value, str):
+                return float(value)
+        elif typ is str:
+            if isinstance(value, str):
+                return value
+            if from_text or isinstance(value, (int, float)):
+                return str(value)
+    except ValueError:
+        pass
+    raise ConfigError(f"{where}: expected {typ.__name__}, got {value!r}")
+
+
+def resolve_config_path(name: str) -> Path:
+    """A config given as a path, or by name from the repository's configs/ (or the copy inside the wheel)."""
+    candidates = [Path(name)]
+    stem = name if name.endswith((".yaml", ".yml")) else name + ".yaml"
+    here = Path(__file__).resolve().parent
+    candidates += [here.parent / "configs" / stem, here / "_configs" / stem]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise ConfigError(f"config file {name!r} not found (looked in: {', '.join(str(p) for p in candidates)})")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults, then the YAML file's values, then `section.key=value` overrides, in that order."""
+    values: dict[str, dict[str, Any]] = {s: {} for s in _SECTION_TYPES}
+    if path is not None:
+        path = resolve_config_path(str(path))
+        raw = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections (model, data, optim, train)")
+        for section, entries in raw.items():
+            if section not in _SECTION_TYPES:
+                _field_type(section, "")  # raises with the list of valid keys
+            if not isinstance(entries, dict):
+                raise ConfigError(f"{path}: section {section!r} must be a mapping")
+            for key, value in entries.items():
+                where = f"{path}: {section}.{key}"
+                values[section][key] = _coerce(where, _field_type(section, key), value, from_text=False)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        dotted, text = item.split("=", 1)
+        if dotted.count(".") != 1:
+            raise ConfigError(
+                f"override {item!r}: the key must be section.key; valid keys:\n  " + "\n  ".join(valid_keys())
+            )
+        section, key = dotted.split(".")
+        values[section][key] = _coerce(f"override {item!r}", _field_type(section, key), text, from_text=True)
+    cfg = Config(**{s: cls(**values[s]) for s, cls in _SECTION_TYPES.items()})
+    if not cfg.train.run_dir:
+        stem = Path(path).stem if path is not None else "default"
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir=f"runs/{stem}-{stamp}"))
+    return cfg
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Numbers that follow from the config and the device count; computed once, never configured."""
+
+    n_devices: int
+    n_processes: int
+    per_device_batch: int
+    micro_batch: int  # sequences per device per micro-batch
+    tokens_per_step: int
+
+    def describe(self) -> str:
+        return (
+            f"devices {self.n_devices} over {self.n_processes} process(es) | per-device batch "
+            f"{self.per_device_batch} ({self.micro_batch} x grad_accum) | tokens/step {self.tokens_per_step:,}"
+        )
+
+
+def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Derived:
+    """Everything about the config alone that can be wrong, checked before data or compilation."""
+    m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
+    problems = []
+    for name, v in [
+        ("model.vocab_size", m.vocab_size),
+        ("model.max_seq_len", m.max_seq_len),
+        ("model.d_model", m.d_model),
+        ("model.n_layers", m.n_layers),
+        ("model.n_heads", m.n_heads),
+        ("model.mlp_ratio", m.mlp_ratio),
+        ("data.seq_len", d.seq_len),
+        ("train.steps", t.steps),
+        ("train.batch_size", t.batch_size),
+        ("train.grad_accum", t.grad_accum),
+        ("train.log_every", t.log_every),
+    ]:
+        if v <= 0:
+            problems.append(f"{name}={v} must be positive")
+    if m.d_model % max(m.n_heads, 1):
+        problems.append(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
+    for name, v in [("model.dtype", m.dtype), ("model.param_dtype", m.param_dtype)]:
+        if v not in DTYPES:
+            problems.append(f"{name}={v!r} must be one of {', '.join(DTYPES)}")
+    if m.attention not in ("auto", "xla", "cudnn"):
+        problems.append(f"model.attention={m.attention!r} must be auto, xla or cudnn")
+    if d.seq_len > m.max_seq_len:
+        problems.append(
+            f"data.seq_len={d.seq_len} is longer than the model supports (model.max_seq_len={m.max_seq_len}); "
+            f"lower data.seq_len or raise model.max_seq_len"
+        )
+    if d.val_tokens < 0 or t.eval_every < 0:
+        problems.append("data.val_tokens and train.eval_every must be >= 0")
+    if o.name not in ("adamw", "sgd"):
+        problems.append(f"optim.name={o.name!r} must be adamw or sgd")
+    if o.lr <= 0 or o.warmup_steps < 0 or not 0 <= o.min_lr_ratio <= 1 or o.grad_clip < 0:
+        problems.append(
+            "optim.lr must be > 0, optim.warmup_steps >= 0, optim.min_lr_ratio in [0, 1], optim.grad_clip >= 0"
+        )
+    per_step = n_devices * max(t.grad_accum, 1)
+    if t.batch_size > 0 and t.batch_size % per_step:
+        lo = max(per_step, t.batch_size // per_step * per_step)
+        problems.append(
+            f"train.batch_size={t.batch_size} is not divisible by devices ({n_devices}) x train.grad_accum "
+            f"({t.grad_accum}) = {per_step}; use a multiple of {per_step}, e.g. {lo} or {lo + per_step}"
+        )
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+    per_device = t.batch_size // n_devices
+    return Derived(n_devices, n_processes, per_device, per_device // t.grad_accum, t.batch_size * d.seq_len)
+
+
+def save_config(cfg: Config, run_dir: str | Path) -> Path:
+    """Write the resolved config as YAML into the run directory (loadable again with load_config)."""
+    path = Path(run_dir) / "config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(json.loads(json.dumps(cfg.to_dict())), sort_keys=False))
+    return path

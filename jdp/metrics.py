@@ -1,0 +1,86 @@
+"""Measuring a run: model FLOPs, peak FLOP/s (and so MFU), and the metrics.jsonl writer."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jdp.config import Config
+
+# Dense (not sparse) peak FLOP/s per device from the vendors' datasheets, by compute dtype. float32 matmuls
+# on these GPUs run on tensor cores as TF32 by XLA's default precision, so the TF32 peak is listed.
+GPU_PEAK_FLOPS = {
+    "B200": {"bfloat16": 2250e12, "float16": 2250e12, "float32": 1100e12},
+    "H200": {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12},
+    "H100": {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12},  # SXM; PCIe is lower
+    "A100": {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
+    "L40S": {"bfloat16": 362e12, "float16": 362e12, "float32": 183e12},
+    "L4": {"bfloat16": 121e12, "float16": 121e12, "float32": 60e12},
+    "A10": {"bfloat16": 125e12, "float16": 125e12, "float32": 62.5e12},
+    "V100": {"float16": 125e12, "float32": 15.7e12},
+}
+
+
+def flops_per_token(cfg: Config) -> float:
+    """Training FLOPs per token: 6 x (matmul parameters) plus causal attention.
+
+    Matmul parameters per layer are 4 D^2 (qkv, out) + 2 mlp_ratio D^2, plus V D for the tied output
+    projection; the embedding lookup and positions do no matmul. Attention scores and values cost
+    2 x 2 L D per token per layer forward when every key is attended; causal masking halves that, and
+    backward doubles forward: 6 L D per layer. (PaLM's 12 L D counts the masked half too.)
+    """
+    m, L = cfg.model, cfg.data.seq_len
+    matmul_params = m.n_layers * (4 + 2 * m.mlp_ratio) * m.d_model**2 + m.vocab_size * m.d_model
+    return 6.0 * matmul_params + 6.0 * m.n_layers * L * m.d_model
+
+
+def measure_matmul_flops(n: int = 1024, seconds: float = 0.5) -> float:
+    """FLOP/s of a float32 n x n matmul on the first device (the CPU's stand-in for a datasheet peak)."""
+    x = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda a: a @ a)
+    f(x).block_until_ready()
+    reps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        f(x).block_until_ready()
+        reps += 1
+    return 2.0 * n**3 * reps / (time.perf_counter() - start)
+
+
+def peak_flops(dtype: str, n_devices: int) -> tuple[float, str]:
+    """Total peak FLOP/s of the devices in use, and where the number came from."""
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        # Simulated CPU devices share the same cores: the machine's rate is the peak for all of them.
+        return measure_matmul_flops(), "measured float32 matmul rate of this CPU (no datasheet peak for CPUs)"
+    kind = device.device_kind
+    for name, table in GPU_PEAK_FLOPS.items():
+        if name in kind.upper() and dtype in table:
+            return table[dtype] * n_devices, f"datasheet {dtype} peak of {n_devices} x {kind}"
+    return float("nan"), f"unknown peak for {kind} ({dtype}): MFU not reported"
+
+
+class MetricsLog:
+    """Appends one JSON object per line to metrics.jsonl; only process 0 writes."""
+
+    def __init__(self, path: str | Path, enabled: bool = True):
+        self.path, self.enabled = Path(path), enabled
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._f = self.path.open("a")
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            self._f.write(json.dumps(record) + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._f.close()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

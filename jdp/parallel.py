@@ -1,0 +1,237 @@
+"""All of jdp's parallelism: the `data` mesh, global batches, and the shard_map train and eval steps.
+
+Nothing outside this module mentions devices, meshes, axis names or collectives.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+AXIS = "data"
+
+# loss_fn(model, batch) -> (sum of per-token losses, sum of token weights) on one device's slice.
+LossFn = Callable[[nnx.Module, dict[str, jax.Array]], tuple[jax.Array, jax.Array]]
+Batch = dict[str, Any]
+
+
+def make_mesh(devices: list | None = None) -> jax.sharding.Mesh:
+    """A 1-D mesh with axis `data` over every device of every process (or the devices given)."""
+    devices = jax.devices() if devices is None else list(devices)
+    return jax.sharding.Mesh(np.asarray(devices), (AXIS,))
+
+
+def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P(AXIS))
+
+
+def process_rows(global_batch: int, mesh: jax.sharding.Mesh) -> slice:
+    """The rows of every global batch that this process materialises (its devices' rows, in mesh order)."""
+    devices = list(mesh.devices.flat)
+    per_device = global_batch // len(devices)
+    mine = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
+    if mine != list(range(mine[0], mine[-1] + 1)):
+        raise ValueError("this process's devices are not contiguous in the mesh; build it with make_mesh()")
+    return slice(mine[0] * per_device, (mine[-1] + 1) * per_device)
+
+
+def shard_batch(local: Batch, mesh: jax.sharding.Mesh, global_batch: int | None = None) -> Batch:
+    """This process's rows (numpy, leading axis = rows) -> global jax.Arrays sharded along `data`."""
+    sharding = batch_sharding(mesh)
+
+    def put(x):
+        x = np.asarray(x)
+        rows = global_batch if global_batch is not None else x.shape[0] * jax.process_count()
+        return jax.make_array_from_process_local_data(sharding, x, (rows, *x.shape[1:]))
+
+    return jax.tree.map(put, local)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class TrainState:
+    """Everything the step updates. Every leaf is replicated: one identical copy per device."""
+
+    step: jax.Array
+    params: nnx.State  # the model's nnx.Param variables
+    opt_state: optax.OptState
+    rest: nnx.State  # any other model variables, carried unchanged
+
+
+def init_state(model: nnx.Module, optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh):
+    """Split the model once; place parameters and optimizer state, replicated, on every device of the mesh."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    params, rest = jax.device_put((params, rest), replicated(mesh))
+    opt_state = jax.jit(optimizer.init, out_shardings=replicated(mesh))(params)
+    step = jax.device_put(jnp.zeros((), jnp.int32), replicated(mesh))
+    return graphdef, TrainState(step, params, opt_state, rest)
+
+
+def _varying(tree):
+    # jax >= 0.10 names it pcast(to="varying"); older releases called it pvary.
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(tree, AXIS, to="varying")
+    return jax.lax.pvary(tree, AXIS)
+
+
+def _local_sums(graphdef, loss_fn: LossFn, grad_accum: int):
+    """This device's (grad of loss sum, loss sum, weight sum) over its rows, in grad_accum micro-batches."""
+
+    def loss_of(params, rest, micro):
+        return loss_fn(nnx.merge(graphdef, params, rest), micro)
+
+    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+
+    def sums(params, rest, batch):
+        # Differentiate with respect to a per-device ("varying") view of the replicated parameters.
+        # Differentiating the replicated value itself would make shard_map's autodiff insert a psum,
+        # silently giving the *sum* over devices: the classic N-times-too-large gradient.
+        params = _varying(params)
+        micro = jax.tree.map(lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
+
+        def one(carry, mb):
+            (loss, weight), grads = grad_fn(params, rest, mb)
+            g_acc, l_acc, w_acc = carry
+            return (jax.tree.map(jnp.add, g_acc, grads), l_acc + loss, w_acc + weight), None
+
+        zero = (
+            jax.tree.map(jnp.zeros_like, params),
+            _varying(jnp.zeros((), jnp.float32)),
+            _varying(jnp.zeros((), jnp.float32)),
+        )
+        # Micro-batches accumulate locally: no collective inside the loop (DDP's no_sync).
+        (grads, loss, weight), _ = jax.lax.scan(one, zero, micro)
+        return grads, loss, weight
+
+    return sums
+
+
+def _global_grads(graphdef, loss_fn: LossFn, n_devices: int, grad_accum: int):
+    """Per-device function: (params, rest, local rows) -> (gradient of the global mean loss, loss, weight)."""
+    local_sums = _local_sums(graphdef, loss_fn, grad_accum)
+
+    def grads_of(params, rest, batch):
+        grads_sum, loss_sum, weight_sum = local_sums(params, rest, batch)
+        weight = jax.lax.psum(weight_sum, AXIS)
+        loss = jax.lax.psum(loss_sum, AXIS) / weight
+        # The one gradient all-reduce of the step. Each device holds the gradient of the *sum* of the
+        # losses on its own rows; pmean gives sum_over_devices / n, so multiplying by n / (global token
+        # weight) yields exactly the gradient of the global token-weighted mean loss, the same as one
+        # device computing the whole batch, whatever the device count or the spread of padding.
+        scale = jnp.where(weight > 0, n_devices / weight, 0.0)
+        grads = jax.tree.map(lambda g: g * scale, jax.lax.pmean(grads_sum, AXIS))
+        return grads, loss, weight
+
+    return grads_of
+
+
+def make_train_step(
+    graphdef,
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    mesh: jax.sharding.Mesh,
+    grad_accum: int = 1,
+    schedule: optax.Schedule | None = None,
+) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
+    """The data-parallel step: (state, global batch) -> (new state, metrics), jitted, state donated."""
+    grads_of = _global_grads(graphdef, loss_fn, mesh.devices.size, grad_accum)
+
+    def step(state: TrainState, batch: Batch):
+        grads, loss, weight = grads_of(state.params, state.rest, batch)
+        grad_norm = optax.tree.norm(grads)
+        # Every replica applies the identical update to identical parameters: they stay bit-identical.
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": weight}
+        if schedule is not None:
+            metrics["lr"] = jnp.asarray(schedule(state.step), jnp.float32)
+        return TrainState(state.step + 1, params, opt_state, state.rest), metrics
+
+    sharded = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(), P()))
+    return jax.jit(sharded, donate_argnums=0)
+
+
+def make_grad_fn(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh, grad_accum: int = 1):
+    """(state, global batch) -> (averaged gradients, loss, token weight): the train step without the update."""
+    grads_of = _global_grads(graphdef, loss_fn, mesh.devices.size, grad_accum)
+    sharded = jax.shard_map(
+        lambda state, batch: grads_of(state.params, state.rest, batch),
+        mesh=mesh,
+        in_specs=(P(), P(AXIS)),
+        out_specs=(P(), P(), P()),
+    )
+    return jax.jit(sharded)
+
+
+def make_eval_step(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh):
+    """(state, global batch) -> (loss sum, weight sum) over the whole global batch; no update."""
+
+    def step(state: TrainState, batch: Batch):
+        loss, weight = loss_fn(nnx.merge(graphdef, state.params, state.rest), batch)
+        return jax.lax.psum(loss, AXIS), jax.lax.psum(weight, AXIS)
+
+    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(), P())))
+
+
+def replica_mismatches(tree) -> list[str]:
+    """Leaves whose copies on this process's devices are not bit-identical, named with the device."""
+    problems = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        shards = [(s.device, np.asarray(s.data)) for s in leaf.addressable_shards]
+        first_dev, first = shards[0]
+        for dev, data in shards[1:]:
+            if data.tobytes() != first.tobytes():
+                problems.append(f"{jax.tree_util.keystr(path)}: {dev} differs from {first_dev}")
+    return problems
+
+
+def compiled_text(step_fn, *args) -> str:
+    """The optimized HLO text of a jitted step for these arguments (for inspecting collectives)."""
+    return step_fn.lower(*args).compile().as_text()
+
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4}
+_DTYPE_BYTES.update({"f64": 8, "s64": 8, "u64": 8})
+
+
+@dataclass
+class AllReduce:
+    name: str
+    computation: str  # the HLO computation it sits in
+    in_loop: bool  # inside a while-loop body or condition: it would run once per iteration
+    shapes: list[str]
+    bytes: int
+
+
+def all_reduces(hlo_text: str) -> list[AllReduce]:
+    """Every all-reduce in optimized HLO text, with its bytes and whether it sits inside a loop."""
+    loop_comps = set(re.findall(r"(?:body|condition)=%?([\w.\-]+)", hlo_text))
+    found, computation = [], ""
+    for line in hlo_text.splitlines():
+        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if header and not line.startswith(" "):
+            computation = header.group(1)
+            continue
+        m = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) all-reduce(?:-start)?\(", line)
+        if m:
+            shapes = re.findall(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]", m.group(2))
+            nbytes = sum(_DTYPE_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d) for t, dims in shapes)
+            found.append(
+                AllReduce(m.group(1), computation, computation in loop_comps, [f"{t}[{d}]" for t, d in shapes], nbytes)
+            )
+    return found
