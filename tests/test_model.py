@@ -1,0 +1,58 @@
+"""The model: causal, the configured dtypes, the loss it reports."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jdp.config import ModelConfig
+from jdp.model import GPT, count_params, lm_loss
+
+CFG = ModelConfig(vocab_size=64, max_seq_len=16, d_model=32, n_layers=2, n_heads=4)
+
+
+def test_causal_later_tokens_never_change_earlier_logits():
+    model = GPT(CFG, nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, CFG.vocab_size, (2, 16)).astype(np.int32)
+    base = np.asarray(model(tokens))
+    for t in (1, 7, 15):
+        changed = tokens.copy()
+        changed[:, t:] = (changed[:, t:] + 1 + rng.integers(0, 10, changed[:, t:].shape)) % CFG.vocab_size
+        out = np.asarray(model(changed))
+        np.testing.assert_array_equal(out[:, :t], base[:, :t])
+        assert np.abs(out[:, t] - base[:, t]).max() > 1e-4  # and the changed position does change
+
+
+def test_compute_dtype_separate_from_parameter_dtype():
+    model = GPT(ModelConfig(**{**CFG.__dict__, "dtype": "bfloat16"}), nnx.Rngs(0))
+    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert all(p.dtype == jnp.float32 for p in params)
+    logits = model(jnp.zeros((1, 8), jnp.int32))
+    assert logits.dtype == jnp.float32  # logits are upcast for the loss
+    # The matmuls run in bfloat16: the jaxpr's dot_generals take bf16 operands.
+    jaxpr = jax.make_jaxpr(lambda t: model(t))(jnp.zeros((1, 8), jnp.int32))
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert dots and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+
+
+def test_output_projection_is_tied_to_embedding():
+    model = GPT(CFG, nnx.Rngs(0))
+    names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))]
+    assert sum("embedding" in n for n in names) == 1
+    d, v, n_layers = CFG.d_model, CFG.vocab_size, CFG.n_layers
+    per_layer = 3 * d * d + d * d + 2 * 4 * d * d + 4 * d  # qkv, out, mlp, two layer norms
+    assert count_params(model) == v * d + CFG.max_seq_len * d + n_layers * per_layer + 2 * d
+
+
+def test_loss_returns_weighted_sum_and_weight():
+    model = GPT(CFG, nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, 8)), jnp.int32)
+    targets = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, 8)), jnp.int32)
+    weights = jnp.zeros((2, 8)).at[0, :3].set(1.0).at[1, 5].set(2.0)
+    total, weight = lm_loss(model, {"inputs": tokens, "targets": targets, "weights": weights})
+    logp = jax.nn.log_softmax(np.asarray(model(tokens), np.float64))
+    nll = -np.take_along_axis(np.asarray(logp), np.asarray(targets)[..., None], -1)[..., 0]
+    assert float(weight) == 5.0
+    assert np.isclose(float(total), (nll * np.asarray(weights)).sum(), rtol=1e-5)

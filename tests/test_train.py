@@ -1,0 +1,121 @@
+"""End to end: `jdp train` on the tiny config, errors before compilation, and 1 vs 4 devices."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import jdp.parallel
+from jdp.cli import main
+from jdp.config import ConfigError, load_config
+from jdp.metrics import read_metrics
+from jdp.train import train
+
+
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory):
+    """One embedded corpus and token cache for the whole session."""
+    path = tmp_path_factory.mktemp("jdp-cache")
+    os.environ["JDP_CACHE"] = str(path)
+    return path
+
+
+@pytest.fixture
+def no_compile(monkeypatch):
+    """Fail the test if anything reaches state placement or step compilation."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("reached compilation: the error should have come first")
+
+    for name in ("init_state", "make_train_step", "make_eval_step"):
+        monkeypatch.setattr(jdp.parallel, name, refuse)
+
+
+def run_cli(args, capsys):
+    code = main(["train", *args])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["train.batch_size=30"], ["train.batch_size=30", "not divisible", "devices (4)", "multiple of 4"]),
+        (["train.batch_size=32", "train.grad_accum=3"], ["train.grad_accum (3)", "multiple of 12"]),
+        (["data.seq_len=512"], ["data.seq_len=512", "model.max_seq_len=128"]),
+        (["train.stepz=3"], ["unknown config key 'train.stepz'", "train.steps", "optim.lr"]),
+        (["train.steps=many"], ["train.steps=many", "expected int"]),
+        (["data.source=/nonexistent/corpus/*.jsonl"], ["no data files found", "/nonexistent/corpus"]),
+    ],
+)
+def test_bad_config_is_a_clear_error_before_compiling(args, words, capsys, no_compile, cache, tmp_path):
+    code, err = run_cli(["configs/tiny.yaml", f"train.run_dir={tmp_path / 'run'}", *args], capsys)
+    assert code == 2
+    for word in words:
+        assert word in err, err
+
+
+def test_missing_text_column_is_a_clear_error(capsys, no_compile, cache, tmp_path):
+    data = tmp_path / "docs.jsonl"
+    data.write_text('{"body": "hello world"}\n' * 50)
+    code, err = run_cli([f"data.source={data}", "data.text_column=text", f"train.run_dir={tmp_path / 'r'}"], capsys)
+    assert code == 2
+    assert "no column 'text'" in err and "body" in err
+
+
+def test_existing_run_dir_is_not_overwritten(cache, tmp_path, no_compile):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    with pytest.raises(ConfigError, match="already holds a run"):
+        train(load_config("tiny", [f"train.run_dir={tmp_path}"]))
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
+
+
+@pytest.mark.slow
+def test_tiny_config_trains_loss_falls(cache, tmp_path):
+    cfg = load_config(
+        "tiny",
+        [
+            f"train.run_dir={tmp_path}",
+            "train.steps=40",
+            "train.log_every=5",
+            "train.eval_every=20",
+            "train.progress=false",
+        ],
+    )
+    result = train(cfg)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    steps = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in steps] == list(range(5, 41, 5))
+    assert [r["step"] for r in evals] == [20, 40]
+    for r in steps:
+        assert {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu"} <= set(r)
+        assert r["tokens_per_sec"] > 0 and 0 < r["mfu"] < 1
+    # Uniform guessing over 320 ids is ln 320 = 5.77; 40 steps of the tiny config get far below.
+    assert steps[-1]["loss"] < steps[0]["loss"] - 1.0
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] < 5.0
+    assert result["eval_loss"] == evals[-1]["eval_loss"]
+    assert load_config(tmp_path / "config.yaml") == cfg  # the resolved config, loadable again
+    assert jdp.parallel.replica_mismatches(result["state"].params) == []
+
+
+def cli_metrics(tmp_path, n_devices, cache):
+    run_dir = tmp_path / f"d{n_devices}"
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n_devices}", "JDP_CACHE": str(cache)}
+    args = ["configs/tiny.yaml", "train.steps=6", "train.log_every=1", "train.eval_every=3", f"train.run_dir={run_dir}"]
+    out = subprocess.run(
+        [sys.executable, "-m", "jdp.cli", "train", *args], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"devices {n_devices} over 1 process" in out.stdout
+    return read_metrics(run_dir / "metrics.jsonl")
+
+
+@pytest.mark.slow
+def test_cli_same_metrics_on_one_and_four_devices(cache, tmp_path):
+    one, four = cli_metrics(tmp_path, 1, cache), cli_metrics(tmp_path, 4, cache)
+    assert [r["step"] for r in one] == [r["step"] for r in four] == [1, 2, 3, 3, 4, 5, 6, 6]
+    for a, b in zip(one, four, strict=True):
+        for key in ("loss", "grad_norm", "eval_loss"):
+            if key in a:
+                assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (key, a, b)
