@@ -40,6 +40,8 @@ class DataConfig:
     val_tokens: int = 32768  # whole documents are held out for validation until this many tokens
     cache_dir: str = ""  # default: $JDP_CACHE or ~/.cache/jdp
     num_proc: int = 0  # tokenization worker processes; 0 picks from the CPU count
+    streaming: bool = False  # read an IterableDataset: each process its own shards, packed on the fly
+    prefetch: int = 2  # batches prepared ahead on a background thread; 0 prepares them in the loop
 
 
 @dataclass(frozen=True)
@@ -219,8 +221,8 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Derived:
             f"data.seq_len={d.seq_len} is longer than the model supports (model.max_seq_len={m.max_seq_len}); "
             f"lower data.seq_len or raise model.max_seq_len"
         )
-    if d.val_tokens < 0 or t.eval_every < 0:
-        problems.append("data.val_tokens and train.eval_every must be >= 0")
+    if d.val_tokens < 0 or t.eval_every < 0 or d.prefetch < 0:
+        problems.append("data.val_tokens, data.prefetch and train.eval_every must be >= 0")
     if o.name not in ("adamw", "sgd"):
         problems.append(f"optim.name={o.name!r} must be adamw or sgd")
     if o.lr <= 0 or o.warmup_steps < 0 or not 0 <= o.min_lr_ratio <= 1 or o.grad_clip < 0:

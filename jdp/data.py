@@ -6,13 +6,17 @@ import glob
 import hashlib
 import json
 import os
-import shutil
+import queue
 import sys
 import sysconfig
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from filelock import FileLock
 
 from jdp.config import ConfigError, DataConfig
 
@@ -37,27 +41,55 @@ def stdlib_files() -> list[Path]:
 
 def build_stdlib_corpus(cache: Path) -> Path:
     """The embedded default corpus: the standard library's sources as a local HF dataset, built once."""
-    import datasets
-
     files = stdlib_files()
     tag = hashlib.sha256("\n".join(f"{p}:{p.stat().st_size}" for p in files).encode()).hexdigest()[:12]
     path = cache / f"stdlib-py{sys.version_info.major}.{sys.version_info.minor}-{tag}"
-    if (path / "dataset_info.json").exists():
-        return path
+    cache.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        if not (path / "dataset_info.json").exists():
+            _save_stdlib(files, path)
+    return path
+
+
+def _save_stdlib(files: list[Path], path: Path) -> None:
+    import datasets
+
     root = Path(sysconfig.get_paths()["stdlib"])
     texts = [p.read_text(encoding="utf-8", errors="replace") for p in files]
     ds = datasets.Dataset.from_dict({"text": texts, "path": [str(p.relative_to(root)) for p in files]})
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     ds.save_to_disk(str(tmp))
-    try:
-        tmp.rename(path)  # atomic: another process on this host may have built it meanwhile
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    tmp.rename(path)  # atomic: a reader never sees a partial corpus
 
 
 def _is_saved_dataset(path: Path) -> bool:
     return path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists())
+
+
+def data_files(cfg: DataConfig, source: str) -> list[str] | None:
+    """The local data files `source` names (a file, a glob or a directory); None for a hub dataset name."""
+    path = Path(source).expanduser()
+    looks_local = path.exists() or Path(source).suffix.lower() in _BUILDERS or source.startswith((".", "/", "~"))
+    if not (glob.has_magic(source) or looks_local):
+        return None
+    if glob.has_magic(source):
+        files = sorted(glob.glob(str(path)))
+    elif path.is_dir():
+        files = sorted(str(p) for p in path.rglob("*") if p.suffix.lower() in _BUILDERS)
+    else:
+        files = [str(path)] if path.is_file() else []
+    if not files:
+        raise ConfigError(
+            f"data.source={cfg.source}: no data files found. Give a file, a glob, a directory of "
+            f"{'/'.join(sorted(_BUILDERS))} files, a save_to_disk directory, or a hub dataset name"
+        )
+    kinds = {Path(f).suffix.lower() for f in files}
+    if not kinds <= set(_BUILDERS) or len({_BUILDERS[k] for k in kinds}) != 1:
+        raise ConfigError(
+            f"data.source={cfg.source}: files must share one known format ({', '.join(sorted(_BUILDERS))}); "
+            f"found {', '.join(sorted(kinds))}"
+        )
+    return files
 
 
 def load_documents(cfg: DataConfig):
@@ -82,29 +114,8 @@ def load_documents(cfg: DataConfig):
                     f"data.source={cfg.source}: no split {cfg.split!r}; it has {sorted(ds)} (set data.split)"
                 )
             ds = ds[cfg.split]
-    elif (
-        glob.has_magic(source)
-        or path.exists()
-        or Path(source).suffix.lower() in _BUILDERS
-        or source.startswith((".", "/", "~"))
-    ):
-        files = sorted(glob.glob(str(path))) if glob.has_magic(source) else [str(path)] if path.is_file() else []
-        if path.is_dir():
-            files = sorted(str(p) for p in path.rglob("*") if p.suffix.lower() in _BUILDERS)
-        if not files:
-            raise ConfigError(
-                f"data.source={cfg.source}: no data files found. Give a file, a glob, a directory of "
-                f"{'/'.join(sorted(_BUILDERS))} files, a save_to_disk directory, or a hub dataset name"
-            )
-        kinds = {Path(f).suffix.lower() for f in files}
-        unknown = kinds - set(_BUILDERS)
-        builders = {_BUILDERS[k] for k in kinds if k in _BUILDERS}
-        if unknown or len(builders) != 1:
-            raise ConfigError(
-                f"data.source={cfg.source}: files must share one known format ({', '.join(sorted(_BUILDERS))}); "
-                f"found {', '.join(sorted(kinds))}"
-            )
-        builder = builders.pop()
+    elif (files := data_files(cfg, source)) is not None:
+        builder = _BUILDERS[Path(files[0]).suffix.lower()]
         try:
             ds = datasets.load_dataset(builder, data_files=files, split="train")
         except Exception as e:  # datasets fails on empty files with StopIteration, ValueError, ...
@@ -211,9 +222,18 @@ def tokenize(ds, tokenizer, cfg: DataConfig, seed: int) -> Tokens:
     """Tokenize with `datasets.map`, hold out whole documents for validation, and cache the streams."""
     key = json.dumps([FORMAT_VERSION, ds._fingerprint, tokenizer.name, cfg.text_column, cfg.val_tokens, seed])
     cache = cache_root(cfg) / f"tokens-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-    if (cache / "meta.json").exists():
-        meta = json.loads((cache / "meta.json").read_text())
-        return Tokens(np.load(cache / "train.npy"), np.load(cache / "val.npy"), meta["n_docs"], meta["n_empty"])
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    # One process per host tokenizes; the others wait for it and then read its cache.
+    with FileLock(str(cache) + ".lock"):
+        if not (cache / "meta.json").exists():
+            _tokenize_into(cache, key, ds, tokenizer, cfg, seed)
+    meta = json.loads((cache / "meta.json").read_text())
+    # Memory-mapped: processes on one host share the page cache instead of each holding a copy.
+    train, val = (np.load(cache / f"{name}.npy", mmap_mode="r") for name in ("train", "val"))
+    return Tokens(train, val, meta["n_docs"], meta["n_empty"])
+
+
+def _tokenize_into(cache: Path, key: str, ds, tokenizer, cfg: DataConfig, seed: int) -> None:
 
     column = cfg.text_column
     num_proc = cfg.num_proc or min(os.cpu_count() or 1, max(1, len(ds) // 2000))
@@ -255,11 +275,7 @@ def tokenize(ds, tokenizer, cfg: DataConfig, seed: int) -> Tokens:
     np.save(tmp / "train.npy", tokens.train)
     np.save(tmp / "val.npy", tokens.val)
     (tmp / "meta.json").write_text(json.dumps({"n_docs": tokens.n_docs, "n_empty": n_empty, "key": key}))
-    try:
-        tmp.rename(cache)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return tokens
+    tmp.rename(cache)  # atomic: a reader never sees a partial cache
 
 
 # ---------------------------------------------------------------------------------------------- batches
@@ -329,35 +345,120 @@ def eval_batches(stream: np.ndarray, seq_len: int, batch_size: int, rows: slice 
 @dataclass
 class Data:
     tokenizer: ByteTokenizer | HFTokenizer
-    tokens: Tokens
-    train: Batches
+    tokens: Tokens  # for streaming: the validation stream only
+    train: Batches  # or stream.StreamBatches
+    rows: slice  # this process's rows of every global batch
+
+    def local_batch(self, step: int) -> dict[str, np.ndarray]:
+        """This process's rows of global batch `step` (streams: the next batch; steps come in order)."""
+        if isinstance(self.train, Batches):
+            return self.train.batch(step, self.rows)
+        return self.train.next_batch()
 
     def describe(self) -> str:
-        t = self.tokens
+        t, tok = self.tokens, f"tokenizer {self.tokenizer.name} (vocab {self.tokenizer.vocab_size})"
+        if not isinstance(self.train, Batches):
+            return f"streaming, each process its own shards | val {len(t.val):,} tokens | {tok}"
         return (
             f"{t.n_docs:,} documents ({t.n_empty} empty, skipped) | train {len(t.train):,} tokens = "
-            f"{self.train.n:,} windows | val {len(t.val):,} tokens | tokenizer {self.tokenizer.name} "
-            f"(vocab {self.tokenizer.vocab_size})"
+            f"{self.train.n:,} windows | val {len(t.val):,} tokens | {tok}"
         )
 
 
-def load_data(cfg: DataConfig, vocab_size: int, batch_size: int, seed: int) -> Data:
+def load_data(
+    cfg: DataConfig,
+    vocab_size: int,
+    batch_size: int,
+    seed: int,
+    rows: slice | None = None,
+    rank: int = 0,
+    world: int = 1,
+) -> Data:
     """Everything the loop needs from the data, with every problem reported before compilation."""
+    rows = rows if rows is not None else slice(0, batch_size)
     tokenizer = load_tokenizer(cfg.tokenizer)
     if tokenizer.vocab_size > vocab_size:
         raise ConfigError(
             f"data.tokenizer={cfg.tokenizer} has {tokenizer.vocab_size} tokens but model.vocab_size={vocab_size}; "
             f"set model.vocab_size to at least {tokenizer.vocab_size} (a multiple of 64 is fastest)"
         )
-    tokens = tokenize(load_documents(cfg), tokenizer, cfg, seed)
-    train = Batches(tokens.train, cfg.seq_len, batch_size, seed)
-    if train.n < batch_size:
-        raise ConfigError(
-            f"data.source={cfg.source}: {train.n} training windows of data.seq_len={cfg.seq_len} tokens, fewer than "
-            f"one global batch (train.batch_size={batch_size}); use more data, a shorter seq_len or a smaller batch"
-        )
+    if cfg.streaming:
+        from jdp import stream
+
+        ds = stream.open_stream(cfg)
+        val, exclude = stream.hold_out(ds, tokenizer, cfg)
+        tokens = Tokens(np.zeros(0, val.dtype), val, 0, 0)
+        train = stream.StreamBatches(ds, tokenizer, cfg, rows.stop - rows.start, rank, world, exclude)
+    else:
+        tokens = tokenize(load_documents(cfg), tokenizer, cfg, seed)
+        train = Batches(tokens.train, cfg.seq_len, batch_size, seed)
+        if train.n < batch_size:
+            raise ConfigError(
+                f"data.source={cfg.source}: {train.n} training windows of data.seq_len={cfg.seq_len} tokens, fewer "
+                f"than one global batch (train.batch_size={batch_size}); use more data, a shorter seq_len or a "
+                f"smaller batch"
+            )
     if cfg.val_tokens > 0 and n_windows(tokens.val, cfg.seq_len) == 0:
         raise ConfigError(
             f"data.val_tokens={cfg.val_tokens} holds out fewer than data.seq_len+1 tokens; raise it (or 0 for no evaluation)"
         )
-    return Data(tokenizer, tokens, train)
+    return Data(tokenizer, tokens, train, rows)
+
+
+class Prefetcher:
+    """Makes `produce(step)` for steps start..stop-1 on a background thread, at most `depth` batches ahead.
+
+    `wait_s` adds up how long the training loop waited for data: time the devices may have sat idle.
+    depth=0 produces each batch in the loop itself (no thread), for debugging.
+    """
+
+    def __init__(self, produce: Callable[[int], object], start: int, stop: int, depth: int = 2):
+        self.wait_s = 0.0
+        self._produce, self._next, self._stop_at, self._depth = produce, start, stop, depth
+        self._stop = threading.Event()
+        if depth > 0:
+            self._queue: queue.Queue = queue.Queue(maxsize=depth)
+            self._thread = threading.Thread(target=self._run, daemon=True, name="jdp-prefetch")
+            self._thread.start()
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        try:
+            for step in range(self._next, self._stop_at):
+                if not self._put((step, self._produce(step))):
+                    return
+        except BaseException as e:  # handed to the training loop, which re-raises it
+            self._put((None, e))
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self):
+        start = time.perf_counter()
+        if self._depth == 0:
+            if self._next >= self._stop_at:
+                raise StopIteration
+            step, item = self._next, self._produce(self._next)
+            self._next += 1
+        else:
+            if self._next >= self._stop_at:
+                raise StopIteration
+            step, item = self._queue.get()
+            if step is None:
+                raise RuntimeError("the data loader thread failed") from item
+            self._next = step + 1
+        self.wait_s += time.perf_counter() - start
+        return step, item
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._depth > 0:
+            self._thread.join(timeout=5)

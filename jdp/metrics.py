@@ -39,23 +39,26 @@ def flops_per_token(cfg: Config) -> float:
 
 
 def measure_matmul_flops(n: int = 1024, seconds: float = 0.5) -> float:
-    """FLOP/s of a float32 n x n matmul on the first device (the CPU's stand-in for a datasheet peak)."""
-    x = jnp.ones((n, n), jnp.float32)
+    """FLOP/s of float32 n x n matmuls running at once on every local device (a CPU's stand-in for a peak).
+
+    Simulated CPU devices share the same cores, so they are measured together, as training uses them.
+    """
+    xs = [jax.device_put(jnp.ones((n, n), jnp.float32), d) for d in jax.local_devices()]
     f = jax.jit(lambda a: a @ a)
-    f(x).block_until_ready()
+    jax.block_until_ready([f(x) for x in xs])
     reps, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
-        f(x).block_until_ready()
+        jax.block_until_ready([f(x) for x in xs])
         reps += 1
-    return 2.0 * n**3 * reps / (time.perf_counter() - start)
+    return 2.0 * n**3 * reps * len(xs) / (time.perf_counter() - start)
 
 
 def peak_flops(dtype: str, n_devices: int) -> tuple[float, str]:
     """Total peak FLOP/s of the devices in use, and where the number came from."""
     device = jax.devices()[0]
     if device.platform == "cpu":
-        # Simulated CPU devices share the same cores: the machine's rate is the peak for all of them.
-        return measure_matmul_flops(), "measured float32 matmul rate of this CPU (no datasheet peak for CPUs)"
+        rate = measure_matmul_flops() * jax.process_count()  # assumes every host is like this one
+        return rate, "measured float32 matmul rate of this host's CPU devices (CPUs have no datasheet peak)"
     kind = device.device_kind
     for name, table in GPU_PEAK_FLOPS.items():
         if name in kind.upper() and dtype in table:

@@ -6,8 +6,9 @@ Nothing outside this module mentions devices, meshes, axis names or collectives.
 from __future__ import annotations
 
 import math
+import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,84 @@ AXIS = "data"
 # loss_fn(model, batch) -> (sum of per-token losses, sum of token weights) on one device's slice.
 LossFn = Callable[[nnx.Module, dict[str, jax.Array]], tuple[jax.Array, jax.Array]]
 Batch = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class World:
+    """How this process joins a job: which coordinator, how many processes, which one it is."""
+
+    coordinator: str | None
+    num_processes: int
+    process_id: int
+    source: str  # where the description came from, printed at start
+
+    def describe(self) -> str:
+        if self.num_processes == 1:
+            return f"single process ({self.source})"
+        return f"process {self.process_id} of {self.num_processes}, coordinator {self.coordinator} (from {self.source})"
+
+
+_JAX_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+_TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+
+
+def resolve_world(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    env: Mapping[str, str] | None = None,
+) -> World:
+    """The job description, from explicit options, else JAX's variables, else torchrun's; else one process."""
+    env = os.environ if env is None else env
+
+    def complete(source: str, coord, n, pid) -> World:
+        missing = [
+            name
+            for name, v in (("coordinator", coord), ("number of processes", n), ("process id", pid))
+            if v in (None, "")
+        ]
+        if missing:
+            raise ValueError(f"incomplete multi-process job description from {source}: missing {', '.join(missing)}")
+        try:
+            n, pid = int(n), int(pid)
+        except ValueError as e:
+            raise ValueError(f"{source}: the number of processes and the process id must be integers") from e
+        if n < 1 or not 0 <= pid < n:
+            raise ValueError(f"{source}: process id {pid} is not in [0, {n}) for {n} processes")
+        if n > 1 and ":" not in str(coord):
+            raise ValueError(f"{source}: coordinator {coord!r} must be HOST:PORT")
+        return World(str(coord) if n > 1 else None, n, pid, source)
+
+    if any(v is not None for v in (coordinator, num_processes, process_id)):
+        return complete("explicit options", coordinator, num_processes, process_id)
+    if any(env.get(k) for k in _JAX_VARS):
+        return complete("JAX_* variables", *(env.get(k) for k in _JAX_VARS))
+    if any(env.get(k) for k in ("WORLD_SIZE", "RANK")):
+        addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+        coord = f"{addr}:{port}" if addr and port else None
+        if env.get("WORLD_SIZE") == "1":
+            coord = coord or "unused:0"
+        return complete(
+            "torchrun variables (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK)",
+            coord,
+            env.get("WORLD_SIZE"),
+            env.get("RANK"),
+        )
+    return World(None, 1, 0, "no job description found")
+
+
+def initialize(world: World, timeout_s: int = 300) -> None:
+    """Join the multi-process job described by `world` (a no-op for one process). Call before touching devices."""
+    if world.num_processes == 1:
+        return
+    # CPU collectives across processes need gloo; GPU collectives use NCCL regardless of this setting.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=world.coordinator,
+        num_processes=world.num_processes,
+        process_id=world.process_id,
+        initialization_timeout=timeout_s,
+    )
 
 
 def make_mesh(devices: list | None = None) -> jax.sharding.Mesh:

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from jdp import parallel
 from jdp.config import Config, ConfigError, save_config, validate
-from jdp.data import eval_batches, load_data
+from jdp.data import Prefetcher, eval_batches, load_data
 from jdp.metrics import MetricsLog, flops_per_token, peak_flops
 from jdp.model import GPT, count_params, lm_loss
 from jdp.optim import make_optimizer
@@ -34,13 +34,22 @@ def evaluate(eval_step, state, stream: np.ndarray, cfg: Config, mesh, rows: slic
 def train(cfg: Config) -> dict:
     """Train the configured GPT; returns the last train and eval metrics."""
     t = cfg.train
+    try:
+        world = parallel.resolve_world()
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    if not jax.distributed.is_initialized():
+        parallel.initialize(world)
     mesh = parallel.make_mesh()
     derived = validate(cfg, mesh.devices.size, jax.process_count())
     is_main = jax.process_index() == 0
     run_dir = Path(t.run_dir)
     if (run_dir / "metrics.jsonl").exists():
         raise ConfigError(f"train.run_dir={run_dir} already holds a run (metrics.jsonl); choose another train.run_dir")
-    data = load_data(cfg.data, cfg.model.vocab_size, t.batch_size, t.seed)
+    rows = parallel.process_rows(t.batch_size, mesh)
+    data = load_data(
+        cfg.data, cfg.model.vocab_size, t.batch_size, t.seed, rows, jax.process_index(), jax.process_count()
+    )
     say = print if is_main else (lambda *a, **k: None)
 
     model = GPT(cfg.model, nnx.Rngs(t.seed))
@@ -50,18 +59,20 @@ def train(cfg: Config) -> dict:
     del model
     train_step = parallel.make_train_step(graphdef, lm_loss, optimizer, mesh, t.grad_accum, schedule)
     eval_step = parallel.make_eval_step(graphdef, lm_loss, mesh)
-    rows = parallel.process_rows(t.batch_size, mesh)
 
     fpt = flops_per_token(cfg)
     peak, peak_source = peak_flops(cfg.model.dtype, derived.n_devices)
     say(
-        f"jdp | {jax.devices()[0].device_kind} x {derived.n_devices} | process {jax.process_index()}/{jax.process_count()}"
+        f"jdp | {world.describe()} | {jax.devices()[0].device_kind} x {derived.n_devices}, {jax.local_device_count()} local"
     )
     say(
         f"jdp | model {n_params:,} parameters | {fpt / 1e6:.1f} MFLOPs/token | MFU peak: {peak / 1e12:.3g} TFLOP/s, {peak_source}"
     )
     say(f"jdp | {derived.describe()}")
-    say(f"jdp | data {data.describe()} | {t.steps} steps = {data.train.epoch(t.steps):.3f} epochs")
+    say(
+        f"jdp | data {data.describe()}"
+        + (f" | {t.steps} steps = {data.train.epoch(t.steps):.3f} epochs" if not cfg.data.streaming else "")
+    )
     say(f"jdp | run dir {run_dir}")
     if is_main:
         save_config(cfg, run_dir)
@@ -70,7 +81,8 @@ def train(cfg: Config) -> dict:
 
     last: dict = {}
     bar = tqdm(total=t.steps, disable=not (is_main and t.progress), unit="step", dynamic_ncols=True, mininterval=1.0)
-    clock = {"t": None, "tokens": 0, "tps": None}  # throughput window, opened once step 1 (compilation) is done
+    clock = {"t": None, "tokens": 0, "tps": None, "wait": 0.0}  # throughput window, opened after step 1 (compilation)
+    loader = Prefetcher(data.local_batch, 0, t.steps, cfg.data.prefetch)
 
     def finish(step: int, metrics) -> None:
         """Host side of step `step` (1-based): fetch its metrics (it has finished by now) and log them."""
@@ -91,7 +103,10 @@ def train(cfg: Config) -> dict:
                 "mfu": None if tps is None or math.isnan(peak) else fpt * tps / peak,
                 "epoch": data.train.epoch(step),
                 "tokens": step * derived.tokens_per_step,
+                # Seconds the loop waited for this process's batches since the previous record.
+                "data_wait_s": loader.wait_s - clock["wait"],
             }
+            clock["wait"] = loader.wait_s
             log.write(record)
             last.update(record)
         if clock["t"] is None or tps is not None:
@@ -108,9 +123,8 @@ def train(cfg: Config) -> dict:
         clock["t"], clock["tokens"] = time.perf_counter(), 0  # evaluation time is not training throughput
 
     pending = None
-    for step in range(t.steps):
-        batch = parallel.shard_batch(data.train.batch(step, rows), mesh, t.batch_size)
-        state, metrics = train_step(state, batch)
+    for step, local in loader:
+        state, metrics = train_step(state, parallel.shard_batch(local, mesh, t.batch_size))
         # Fetch the previous step's metrics only now that this step is queued: the device never waits on us.
         if pending is not None:
             finish(*pending)
@@ -123,6 +137,7 @@ def train(cfg: Config) -> dict:
         finish(*pending)
     if do_eval:
         run_eval(t.steps)
+    loader.close()
     bar.close()
     log.close()
     say(

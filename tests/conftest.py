@@ -7,3 +7,57 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={N_DEVICES}"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_processes(
+    argv: list[str], n_processes: int, devices_each: int, env: dict | None = None, timeout: float = 300
+):
+    """Run `python argv...` as n real processes of one jax.distributed job on 127.0.0.1; wait for all.
+
+    Returns [(returncode, stdout, stderr)] by process id. Every process is killed at the timeout.
+    """
+    port = free_port()
+    procs = []
+    for pid in range(n_processes):
+        penv = {
+            **os.environ,
+            **(env or {}),
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_each}",
+            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+            "JAX_NUM_PROCESSES": str(n_processes),
+            "JAX_PROCESS_ID": str(pid),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *argv], env=penv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            results.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
+@pytest.fixture
+def spawn():
+    return spawn_processes

@@ -480,7 +480,7 @@ def test_tokenize_is_cached(tmp_path, monkeypatch):
     cfg = _cfg(tmp_path, src, val_tokens=200)
     cache = Path(cfg.cache_dir)
     first = tokenize(load_documents(cfg), ByteTokenizer(), cfg, seed=0)
-    entries = sorted(p.name for p in cache.iterdir())
+    entries = sorted(p.name for p in cache.iterdir() if p.suffix != ".lock")
     assert len([e for e in entries if e.startswith("tokens-")]) == 1
     assert not [e for e in entries if ".tmp" in e]
 
@@ -491,17 +491,17 @@ def test_tokenize_is_cached(tmp_path, monkeypatch):
     np.testing.assert_array_equal(second.train, first.train)
     np.testing.assert_array_equal(second.val, first.val)
     assert (second.n_docs, second.n_empty) == (first.n_docs, first.n_empty)
-    assert sorted(p.name for p in cache.iterdir()) == entries
+    assert sorted(p.name for p in cache.iterdir() if p.suffix != ".lock") == entries
 
     # val_tokens is part of the key: a new cache entry, and a different split.
     cfg2 = _cfg(tmp_path, src, val_tokens=400)
     third = tokenize(load_documents(cfg2), ByteTokenizer(), cfg2, seed=0)
-    after = sorted(p.name for p in cache.iterdir())
+    after = sorted(p.name for p in cache.iterdir() if p.suffix != ".lock")
     assert len(after) == len(entries) + 1
     assert len(third.val) > len(first.val)
     # So is the seed.
     tokenize(load_documents(cfg), ByteTokenizer(), cfg, seed=1)
-    assert len(list(cache.iterdir())) == len(entries) + 2
+    assert len([p for p in cache.iterdir() if p.suffix != ".lock"]) == len(entries) + 2
 
 
 def test_tokenize_cache_follows_source_file_changes(tmp_path):
@@ -535,7 +535,7 @@ def test_cache_dir_defaults_to_env(tmp_path, monkeypatch):
     cfg = DataConfig(source=str(_saved(tmp_path, _corpus(10))), val_tokens=0)
     assert jd.cache_root(cfg) == env_cache
     tokenize(load_documents(cfg), ByteTokenizer(), cfg, seed=0)
-    assert [p.name.startswith("tokens-") for p in env_cache.iterdir()] == [True]
+    assert [p.name.startswith("tokens-") for p in env_cache.iterdir() if p.suffix != ".lock"] == [True]
     assert jd.cache_root(DataConfig(cache_dir=str(tmp_path / "x"))) == tmp_path / "x"
 
 

@@ -1,0 +1,164 @@
+"""Streaming data: each process reads its own shards of a `datasets.IterableDataset` and packs windows on the fly."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from jdp.config import ConfigError, DataConfig
+from jdp.data import _BUILDERS, _is_saved_dataset, build_stdlib_corpus, cache_root, data_files, windows
+
+
+def open_stream(cfg: DataConfig):
+    """The whole corpus as an IterableDataset, in file order: local files, a saved dataset or the hub."""
+    import datasets
+
+    source = str(build_stdlib_corpus(cache_root(cfg))) if cfg.source == "stdlib" else cfg.source
+    path = Path(source).expanduser()
+    if _is_saved_dataset(path):
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds[cfg.split]
+        ds = ds.to_iterable_dataset(num_shards=max(1, min(len(ds), 64)))
+    elif (files := data_files(cfg, source)) is not None:
+        ds = datasets.load_dataset(
+            _BUILDERS[Path(files[0]).suffix.lower()], data_files=files, split="train", streaming=True
+        )
+    else:
+        ds = datasets.load_dataset(source, cfg.name or None, split=cfg.split, streaming=True)
+    if ds.column_names is not None and cfg.text_column not in ds.column_names:
+        raise ConfigError(
+            f"data.source={cfg.source}: no column {cfg.text_column!r}; its columns are {ds.column_names} "
+            f"(set data.text_column)"
+        )
+    return ds
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.sha1(text.encode("utf-8")).digest()
+
+
+def hold_out(ds, tokenizer, cfg: DataConfig) -> tuple[np.ndarray, set[bytes]]:
+    """The first documents of the stream, up to data.val_tokens tokens, as the validation stream.
+
+    Every process reads the same head of the unsplit stream; training then skips documents with the
+    same text (by digest), so validation and training never share a document.
+    """
+    parts, digests, total = [], set(), 0
+    if cfg.val_tokens <= 0:
+        return np.zeros(0, np.uint16), digests
+    for example in ds:
+        text = example[cfg.text_column] or ""
+        if not text:
+            continue
+        ids = tokenizer.encode_batch([text])[0]
+        parts += [ids, np.asarray([tokenizer.eod_id], ids.dtype)]
+        digests.add(_digest(text))
+        total += len(ids) + 1
+        if total >= cfg.val_tokens:
+            break
+    if not parts:
+        raise ConfigError(f"data.source={cfg.source}: the stream has no non-empty documents in {cfg.text_column!r}")
+    return np.concatenate(parts), digests
+
+
+class StreamBatches:
+    """This process's rows of each global batch, packed from its own shards of the stream.
+
+    Shards are split between processes with `datasets.distributed.split_dataset_by_node`; documents are
+    read in order (no shuffle buffer: its contents cannot be restored exactly on resume), each followed by
+    an end-of-document token, and cut into windows of seq_len+1 tokens. When this process's shards run
+    out it starts its next epoch over them, so no process ever waits for data that another one lacks.
+    `state_dict()` is the exact position after the last batch returned: the dataset's own state plus
+    the tokens packed but not yet used.
+    """
+
+    def __init__(self, ds, tokenizer, cfg: DataConfig, rows: int, rank: int, world: int, exclude: set[bytes]):
+        self.base, self.tokenizer, self.cfg, self.rows = ds, tokenizer, cfg, rows
+        self.rank, self.world, self.exclude = rank, world, exclude
+        self.epoch_count = 0
+        self.n_empty = self.n_excluded = 0
+        self.buffer = np.zeros(0, np.uint32)
+        self._node = self._split()
+        self._it = None
+        self._docs_this_epoch = 0
+
+    def _split(self):
+        from datasets.distributed import split_dataset_by_node
+
+        return split_dataset_by_node(self.base, rank=self.rank, world_size=self.world)
+
+    def _next_document(self) -> np.ndarray:
+        while True:
+            if self._it is None:
+                self._it = iter(self._node)
+            try:
+                example = next(self._it)
+            except StopIteration:
+                if self._docs_this_epoch == 0:
+                    raise ConfigError(
+                        f"data.source={self.cfg.source}: process {self.rank} of {self.world} got no training "
+                        f"documents from the stream; give the dataset at least as many files (shards) as processes"
+                    ) from None
+                # A fresh split for the next epoch: a restored dataset would otherwise restart mid-epoch again.
+                self.epoch_count += 1
+                self._node, self._it = self._split(), None
+                self._node.set_epoch(self.epoch_count)
+                self._docs_this_epoch = 0
+                continue
+            text = example[self.cfg.text_column]
+            if not isinstance(text, str) or not text:
+                if text is not None and not isinstance(text, str):
+                    raise ConfigError(f"data.source={self.cfg.source}: column {self.cfg.text_column!r} is not text")
+                self.n_empty += 1
+                continue
+            if self.exclude and _digest(text) in self.exclude:
+                self.n_excluded += 1
+                continue
+            ids = self.tokenizer.encode_batch([text])[0]
+            self._docs_this_epoch += 1
+            return np.concatenate([ids, [self.tokenizer.eod_id]]).astype(np.uint32)
+
+    def next_batch(self) -> dict[str, np.ndarray]:
+        """The next `rows` windows of this process's stream."""
+        L = self.cfg.seq_len
+        need = self.rows * L + 1
+        parts = [self.buffer]
+        have = len(self.buffer)
+        while have < need:
+            doc = self._next_document()
+            parts.append(doc)
+            have += len(doc)
+        stream = np.concatenate(parts)
+        # Consecutive windows share one token (a window's last target is the next one's first input),
+        # exactly as in the map-style path.
+        self.buffer = stream[self.rows * L :]
+        return windows(stream, np.arange(self.rows), L)
+
+    def epoch(self, step: int) -> float:
+        return float(self.epoch_count)
+
+    def state_dict(self) -> dict:
+        return {
+            "dataset": self._node.state_dict(),
+            "buffer": self.buffer.tolist(),
+            "epoch": self.epoch_count,
+            "rank": self.rank,
+            "world": self.world,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state["rank"], state["world"]) != (self.rank, self.world):
+            raise ConfigError(
+                f"a streaming data position saved by process {state['rank']} of {state['world']} cannot be "
+                f"restored on process {self.rank} of {self.world}: streaming shards depend on the world size"
+            )
+        self.epoch_count = state["epoch"]
+        self._node = self._split()
+        self._node.set_epoch(self.epoch_count)
+        self._node.load_state_dict(state["dataset"])
+        self._it = None
+        self._docs_this_epoch = 1  # restored mid-epoch: this process's shards are known not to be empty
+        self.buffer = np.asarray(state["buffer"], np.uint32)
