@@ -1,5 +1,6 @@
 """End to end: `jdp train` on the tiny config, errors before compilation, and 1 vs 4 devices."""
 
+import json
 import os
 import subprocess
 import sys
@@ -89,8 +90,8 @@ def test_tiny_config_trains_loss_falls(cache, tmp_path):
     assert [r["step"] for r in steps] == list(range(5, 41, 5))
     assert [r["step"] for r in evals] == [20, 40]
     for r in steps:
-        assert {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu"} <= set(r)
-        assert r["tokens_per_sec"] > 0 and 0 < r["mfu"] < 1
+        assert {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "data_wait_s"} <= set(r)
+        assert r["tokens_per_sec"] > 0 and 0 < r["mfu"] < 1 and r["data_wait_s"] >= 0
     # Uniform guessing over 320 ids is ln 320 = 5.77; 40 steps of the tiny config get far below.
     assert steps[-1]["loss"] < steps[0]["loss"] - 1.0
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] < 5.0
@@ -119,3 +120,26 @@ def test_cli_same_metrics_on_one_and_four_devices(cache, tmp_path):
         for key in ("loss", "grad_norm", "eval_loss"):
             if key in a:
                 assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (key, a, b)
+
+
+def test_streaming_training_end_to_end(tmp_path, cache):
+    files = tmp_path / "shards"
+    files.mkdir()
+    for f in range(4):
+        lines = [json.dumps({"text": f"shard {f} line {i}: " + "abc " * (i % 9)}) for i in range(40)]
+        (files / f"part-{f}.jsonl").write_text("\n".join(lines))
+    cfg = load_config(
+        "tiny",
+        [f"data.source={files}", "data.streaming=true", "data.val_tokens=512", "data.seq_len=32", "train.batch_size=8"]
+        + [
+            "train.steps=4",
+            "train.log_every=2",
+            "train.eval_every=0",
+            f"train.run_dir={tmp_path / 'run'}",
+            "train.progress=false",
+        ],
+    )
+    result = train(cfg)
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [2, 4, 4]
+    assert records[-1]["eval_tokens"] > 0 and result["loss"] < 6
