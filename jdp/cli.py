@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from jdp.config import ConfigError
@@ -10,29 +11,80 @@ from jdp.config import ConfigError
 DEFAULT_CONFIG = "tiny"
 
 
+def _device_ids(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
 def _train(args: argparse.Namespace) -> int:
+    from jdp import parallel
     from jdp.config import load_config
-    from jdp.train import train
+    from jdp.train import RunError, train
 
     config, overrides = DEFAULT_CONFIG, list(args.args)
     if overrides and "=" not in overrides[0]:
         config = overrides.pop(0)
     cfg = load_config(config, overrides)
-    train(cfg)
+    try:
+        world = parallel.resolve_world(args.coordinator, args.num_processes, args.process_id, args.local_device_ids)
+    except parallel.WorldError as e:
+        raise ConfigError(str(e)) from e
+    try:
+        train(cfg, world)
+    except RunError as e:
+        print(f"jdp: error: {e}", file=sys.stderr, flush=True)
+        if world.num_processes > 1:
+            # Exit now: a clean shutdown would wait in JAX's shutdown barrier for peers that may be gone.
+            sys.stdout.flush()
+            os._exit(1)
+        return 1
     return 0
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from jdp.launch import LaunchError, launch
+
+    try:
+        return launch(args, args.command)
+    except LaunchError as e:
+        print(f"jdp launch: error: {e}", file=sys.stderr)
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jdp", description="Data-parallel training of Flax models with JAX.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command_name", required=True)
+
     p = sub.add_parser(
         "train",
         help="train a model",
-        description="Train. CONFIG is a YAML path or a name in configs/ (default: tiny).",
+        description="Train. CONFIG is a YAML path or a name in configs/ (default: tiny). The job to join "
+        "comes from these options, else JAX_* variables, else torchrun's, else SLURM's or Open MPI's.",
         epilog="example: jdp train configs/tiny.yaml train.steps=100 optim.lr=3e-4",
     )
     p.add_argument("args", nargs="*", metavar="[CONFIG] [section.key=value ...]")
+    p.add_argument("--coordinator", help="HOST:PORT of process 0, for a multi-process job")
+    p.add_argument("--num-processes", type=int, help="number of processes in the job")
+    p.add_argument("--process-id", type=int, help="this process's id, 0 .. num-processes-1")
+    p.add_argument("--local-device-ids", type=_device_ids, help="this process's GPUs, e.g. 0,1")
     p.set_defaults(func=_train)
+
+    p = sub.add_parser(
+        "launch",
+        help="start the workers of this node (torchrun-style)",
+        description="Start --nproc-per-node workers on this node, each with its own GPUs (or CPU devices), "
+        "prefix their output with their rank, forward signals, and stop them all if one fails.",
+        epilog="example: jdp launch --nproc-per-node 2 -- train configs/tiny.yaml train.steps=100",
+    )
+    p.add_argument("--nproc-per-node", type=int, required=True, help="workers on this node")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0 .. nnodes-1")
+    p.add_argument("--coordinator", help="HOST:PORT on node 0 (default on one node: 127.0.0.1 and a free port)")
+    p.add_argument("--max-restarts", type=int, default=0, help="restart the whole group up to K times")
+    p.add_argument("--devices-per-proc", type=int, default=1, help="simulated CPU devices per worker (no GPUs)")
+    p.add_argument("--grace-s", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL when stopping")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the jdp command to run, e.g. -- train CONFIG")
+    p.set_defaults(func=_launch)
+
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -71,17 +71,30 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    init_timeout_s: int = 300  # how long a process waits for all others to join the job
+    heartbeat_timeout_s: int = 100  # a process silent this long is declared dead and the job stops
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-_SECTION_TYPES = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig}
+_SECTION_TYPES = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "train": TrainConfig,
+    "parallel": ParallelConfig,
+}
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -146,7 +159,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         path = resolve_config_path(str(path))
         raw = yaml.safe_load(path.read_text()) or {}
         if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a mapping of sections (model, data, optim, train)")
+            raise ConfigError(f"{path}: expected a mapping of sections (model, data, optim, train, parallel)")
         for section, entries in raw.items():
             if section not in _SECTION_TYPES:
                 _field_type(section, "")  # raises with the list of valid keys
@@ -221,6 +234,8 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Derived:
             f"data.seq_len={d.seq_len} is longer than the model supports (model.max_seq_len={m.max_seq_len}); "
             f"lower data.seq_len or raise model.max_seq_len"
         )
+    if cfg.parallel.init_timeout_s <= 0 or cfg.parallel.heartbeat_timeout_s <= 0:
+        problems.append("parallel.init_timeout_s and parallel.heartbeat_timeout_s must be positive")
     if d.val_tokens < 0 or t.eval_every < 0 or d.prefetch < 0:
         problems.append("data.val_tokens, data.prefetch and train.eval_every must be >= 0")
     if o.name not in ("adamw", "sgd"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -31,15 +32,42 @@ def evaluate(eval_step, state, stream: np.ndarray, cfg: Config, mesh, rows: slic
     return loss_sum / max(weight_sum, 1.0), weight_sum
 
 
-def train(cfg: Config) -> dict:
+def fingerprint(params) -> dict[str, list[float]]:
+    """Per parameter: sum, L2 norm and the dot product with a fixed random vector, to compare runs to rounding."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        x = np.asarray(leaf.addressable_shards[0].data, np.float64).ravel()  # replicated: any local copy
+        probe = np.random.default_rng(x.size).standard_normal(x.size)
+        out[jax.tree_util.keystr(path)] = [float(x.sum()), float(np.linalg.norm(x)), float(x @ probe)]
+    return out
+
+
+class RunError(RuntimeError):
+    """Training failed; the message names the process and the phase it was in."""
+
+
+def train(cfg: Config, world: parallel.World | None = None) -> dict:
     """Train the configured GPT; returns the last train and eval metrics."""
-    t = cfg.train
-    try:
-        world = parallel.resolve_world()
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
+    if world is None:
+        try:
+            world = parallel.resolve_world()
+        except parallel.WorldError as e:
+            raise ConfigError(str(e)) from e
     if not jax.distributed.is_initialized():
-        parallel.initialize(world)
+        parallel.initialize(world, cfg.parallel.init_timeout_s, cfg.parallel.heartbeat_timeout_s)
+    phase = ["setting up"]
+    try:
+        return _train(cfg, world, phase)
+    except (ConfigError, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        who = f"process {jax.process_index()} of {jax.process_count()}"
+        raise RunError(f"{who} failed while {phase[0]}: {type(e).__name__}: {e}") from e
+
+
+def _train(cfg: Config, world: parallel.World, phase: list[str]) -> dict:
+    t = cfg.train
+    start_time = time.time()
     mesh = parallel.make_mesh()
     derived = validate(cfg, mesh.devices.size, jax.process_count())
     is_main = jax.process_index() == 0
@@ -47,11 +75,13 @@ def train(cfg: Config) -> dict:
     if (run_dir / "metrics.jsonl").exists():
         raise ConfigError(f"train.run_dir={run_dir} already holds a run (metrics.jsonl); choose another train.run_dir")
     rows = parallel.process_rows(t.batch_size, mesh)
+    phase[0] = "loading data"
     data = load_data(
         cfg.data, cfg.model.vocab_size, t.batch_size, t.seed, rows, jax.process_index(), jax.process_count()
     )
     say = print if is_main else (lambda *a, **k: None)
 
+    phase[0] = "building the model and compiling"
     model = GPT(cfg.model, nnx.Rngs(t.seed))
     n_params = count_params(model)
     optimizer, schedule = make_optimizer(cfg.optim, t.steps)
@@ -115,6 +145,7 @@ def train(cfg: Config) -> dict:
         bar.update(1)
 
     def run_eval(step: int) -> None:
+        phase[0] = f"evaluating at step {step}"
         loss, n_tok = evaluate(eval_step, state, data.tokens.val, cfg, mesh, rows)
         log.write({"step": step, "eval_loss": loss, "eval_tokens": n_tok})
         last.update(eval_loss=loss)
@@ -124,6 +155,7 @@ def train(cfg: Config) -> dict:
 
     pending = None
     for step, local in loader:
+        phase[0] = f"running step {step + 1}"
         state, metrics = train_step(state, parallel.shard_batch(local, mesh, t.batch_size))
         # Fetch the previous step's metrics only now that this step is queued: the device never waits on us.
         if pending is not None:
@@ -140,6 +172,18 @@ def train(cfg: Config) -> dict:
     loader.close()
     bar.close()
     log.close()
+    phase[0] = "writing the summary"
+    summary = {
+        "steps": t.steps,
+        "loss": last.get("loss"),
+        "eval_loss": last.get("eval_loss"),
+        "wall_s": time.time() - start_time,
+        "world": world.describe(),
+        "devices": derived.n_devices,
+        "params_fingerprint": fingerprint(state.params),
+    }
+    if is_main:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     say(
         f"jdp | done: loss {last.get('loss', float('nan')):.4f}"
         + (f", eval_loss {last['eval_loss']:.4f}" if do_eval else "")

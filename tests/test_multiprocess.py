@@ -1,16 +1,12 @@
 """Real processes under jax.distributed (gloo on CPU): they must train and load data exactly like one process."""
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
 
 from jdp.data import Batches
-from jdp.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -59,32 +55,3 @@ def test_two_processes_assemble_the_single_process_global_batches(tmp_path, spaw
         union += outs[0]["local"][step] + outs[1]["local"][step]
     # 12 steps x 8 = 96 windows = 2 whole epochs of 37 and part of a third: each epoch exactly once.
     assert sorted(union[:37]) == sorted(union[37:74]) == list(range(37))
-
-
-def train_metrics(tmp_path, name, spawn, n_processes, devices_each, cache):
-    run_dir = tmp_path / name
-    args = ["-m", "jdp.cli", "train", "configs/tiny.yaml", "train.steps=6", "train.log_every=1", "train.eval_every=3"]
-    args += [f"train.run_dir={run_dir}", "train.progress=false"]
-    env = {"JDP_CACHE": str(cache)}
-    if n_processes == 1:
-        env = {**os.environ, **env, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_each}"}
-        out = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=300)
-        results = [(out.returncode, out.stdout, out.stderr)]
-    else:
-        results = spawn(args, n_processes=n_processes, devices_each=devices_each, env=env, timeout=300)
-    assert all(code == 0 for code, _, _ in results), [err[-3000:] for _, _, err in results]
-    assert f"devices {n_processes * devices_each} over {n_processes} process" in results[0][1]
-    # One voice: only process 0 prints the run summary and writes the run directory.
-    assert all("jdp | model" not in out for _, out, _ in results[1:])
-    return read_metrics(run_dir / "metrics.jsonl")
-
-
-def test_jdp_train_two_processes_by_two_devices_equals_one_process_by_four(tmp_path, spawn, tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
-    single = train_metrics(tmp_path, "1x4", spawn, 1, 4, cache)
-    multi = train_metrics(tmp_path, "2x2", spawn, 2, 2, cache)
-    assert [r["step"] for r in single] == [r["step"] for r in multi] == [1, 2, 3, 3, 4, 5, 6, 6]
-    for a, b in zip(single, multi, strict=True):
-        for key in ("loss", "grad_norm", "eval_loss"):
-            if key in a:
-                assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (key, a, b)

@@ -1,0 +1,234 @@
+"""`jdp launch`, the torchrun of jdp: start this node's workers, watch them, and never hang when one fails."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+# Variables of other launchers that would contradict the JAX_* description given to each worker.
+_FOREIGN = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
+class LaunchError(ValueError):
+    """A launch that cannot start: bad options, devices that do not split over the workers."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gpu_groups(nproc: int) -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES for each worker: this node's GPUs split into equal contiguous groups."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [x.strip() for x in visible.split(",") if x.strip()]
+    elif shutil.which("nvidia-smi"):
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+        ids = [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+    else:
+        ids = []
+    if not ids:
+        return None
+    if len(ids) % nproc:
+        raise LaunchError(f"{len(ids)} GPUs do not split evenly over --nproc-per-node {nproc} workers")
+    k = len(ids) // nproc
+    return [",".join(ids[i * k : (i + 1) * k]) for i in range(nproc)]
+
+
+def cpu_flags(devices_each: int) -> str:
+    """XLA_FLAGS for a worker that simulates `devices_each` CPU devices (the user's other flags kept)."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
+    return f"{flags} --xla_force_host_platform_device_count={devices_each}".strip()
+
+
+@dataclass
+class Worker:
+    rank: int  # global process id
+    local_rank: int
+    proc: subprocess.Popen
+    last_err: deque = field(default_factory=lambda: deque(maxlen=30))
+    threads: list = field(default_factory=list)
+
+    def last_error(self) -> str:
+        lines = [ln.strip() for ln in self.last_err if ln.strip()]
+        errors = [ln for ln in lines if re.search(r"error|Error|Exception|Traceback|Killed|Aborted", ln)]
+        return (errors or lines or ["(no output on stderr)"])[-1][:500]
+
+
+def _pump(worker: Worker, stream, out, keep: bool) -> None:
+    """Copy a worker's output to ours, each line prefixed with its rank (progress bars' \\r lines too)."""
+    prefix = f"[rank {worker.rank}] ".encode()
+    pending = b""
+    for chunk in iter(lambda: stream.read1(65536), b""):
+        pending += chunk
+        parts = re.split(rb"(\r|\n)", pending)
+        pending = parts.pop()  # an unfinished line waits for the rest
+        for text, end in zip(parts[0::2], parts[1::2], strict=True):
+            out.write(prefix + text + end)
+            if keep:
+                worker.last_err.append(text.decode(errors="replace"))
+        out.flush()
+    if pending:
+        out.write(prefix + pending + b"\n")
+        if keep:
+            worker.last_err.append(pending.decode(errors="replace"))
+        out.flush()
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class Launcher:
+    def __init__(self, args, command: list[str]):
+        self.args, self.command = args, command
+        self.workers: list[Worker] = []
+        self.signalled = 0
+        self.kill_at = float("inf")
+
+    def say(self, msg: str) -> None:
+        print(f"jdp launch: {msg}", file=sys.stderr, flush=True)
+
+    def start(self, coordinator: str) -> None:
+        a = self.args
+        world = a.nnodes * a.nproc_per_node
+        gpus = gpu_groups(a.nproc_per_node)
+        self.workers = []
+        for local in range(a.nproc_per_node):
+            rank = a.node_rank * a.nproc_per_node + local
+            env = {k: v for k, v in os.environ.items() if k not in _FOREIGN}
+            env.update(
+                JAX_COORDINATOR_ADDRESS=coordinator,
+                JAX_NUM_PROCESSES=str(world),
+                JAX_PROCESS_ID=str(rank),
+                LOCAL_RANK=str(local),
+                PYTHONUNBUFFERED="1",
+            )
+            if gpus is not None:
+                env["CUDA_VISIBLE_DEVICES"] = gpus[local]
+            else:
+                env["XLA_FLAGS"] = cpu_flags(a.devices_per_proc)
+                env.setdefault("JAX_PLATFORMS", "cpu")
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "jdp.cli", *self.command],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,  # its own process group: we can stop it and everything it started
+            )
+            w = Worker(rank, local, proc)
+            w.threads = [
+                threading.Thread(target=_pump, args=(w, proc.stdout, sys.stdout.buffer, False), daemon=True),
+                threading.Thread(target=_pump, args=(w, proc.stderr, sys.stderr.buffer, True), daemon=True),
+            ]
+            for t in w.threads:
+                t.start()
+            self.workers.append(w)
+        where = f"GPUs {gpus}" if gpus else f"{a.devices_per_proc} CPU device(s) each"
+        self.say(f"started ranks {[w.rank for w in self.workers]} of {world} ({where}), coordinator {coordinator}")
+
+    def signal_all(self, sig: int) -> None:
+        for w in self.workers:
+            if w.proc.poll() is None:
+                try:
+                    os.killpg(w.proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def stop_all(self) -> None:
+        """SIGTERM every worker still running, then SIGKILL what is left after the grace period."""
+        self.signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + self.args.grace_s
+        while time.monotonic() < deadline and any(w.proc.poll() is None for w in self.workers):
+            time.sleep(0.05)
+        self.signal_all(signal.SIGKILL)
+        for w in self.workers:
+            w.proc.wait()
+            for t in w.threads:
+                t.join(timeout=2)
+
+    def watch(self) -> tuple[int, Worker | None]:
+        """Wait until every worker exits 0 (returns 0) or one fails (returns its code and the worker)."""
+        while True:
+            if self.signalled and time.monotonic() > self.kill_at:
+                self.say(f"workers still running {self.args.grace_s:g} s after the signal: killing them")
+                self.signal_all(signal.SIGKILL)
+                self.kill_at = float("inf")
+            for w in self.workers:
+                code = w.proc.poll()
+                if code not in (None, 0):
+                    return code, w
+            if all(w.proc.poll() == 0 for w in self.workers):
+                return 0, None
+            time.sleep(0.05)
+
+    def on_signal(self, sig, frame) -> None:
+        self.signalled += 1
+        if self.signalled == 1:
+            self.say(
+                f"got {signal.Signals(sig).name}: passing it to the workers; they get {self.args.grace_s:g} s "
+                f"to exit (send it again to kill them at once)"
+            )
+            self.kill_at = time.monotonic() + self.args.grace_s
+            self.signal_all(sig)
+        else:
+            self.signal_all(signal.SIGKILL)
+
+    def run(self) -> int:
+        a = self.args
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self.on_signal)
+        for attempt in range(a.max_restarts + 1):
+            coordinator = a.coordinator or f"127.0.0.1:{free_port()}"
+            self.start(coordinator)
+            code, failed = self.watch()
+            if failed is None:
+                for w in self.workers:
+                    for t in w.threads:
+                        t.join(timeout=2)
+                self.say("all workers finished")
+                return 0
+            self.say(
+                f"worker rank {failed.rank} (local rank {failed.local_rank}, pid {failed.proc.pid}) "
+                f"{_describe_exit(code)}; last error: {failed.last_error()}"
+            )
+            self.say("stopping the other workers")
+            self.stop_all()
+            if self.signalled:
+                return 128 + signal.SIGTERM if code < 0 else code or 1
+            if attempt < a.max_restarts:
+                self.say(f"restarting the group (restart {attempt + 1} of {a.max_restarts})")
+        self.say(
+            f"giving up: rank {failed.rank} failed" + (f" after {a.max_restarts} restarts" if a.max_restarts else "")
+        )
+        return code if code > 0 else 1
+
+
+def launch(args, command: list[str]) -> int:
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise LaunchError(
+            "nothing to launch: give the jdp command after --, e.g. jdp launch --nproc-per-node 2 -- train"
+        )
+    if args.nproc_per_node < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise LaunchError(f"--node-rank {args.node_rank} must be in [0, --nnodes {args.nnodes}); --nproc-per-node >= 1")
+    if args.nnodes > 1 and not args.coordinator:
+        raise LaunchError("--nnodes > 1 needs --coordinator HOST:PORT (an address of node 0 that every node reaches)")
+    return Launcher(args, command).run()

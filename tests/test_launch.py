@@ -1,0 +1,169 @@
+"""`jdp launch` with real processes: exact training across process layouts, and failures that never hang."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from jdp.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+TRAIN = [
+    "train",
+    "configs/tiny.yaml",
+    "train.steps=6",
+    "train.log_every=1",
+    "train.eval_every=3",
+    "train.progress=false",
+]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return {**os.environ, "JDP_CACHE": str(tmp_path_factory.mktemp("cache")), "PYTHONUNBUFFERED": "1"}
+
+
+def jdp(args, env, timeout=400, **kw):
+    return subprocess.run(
+        [sys.executable, "-m", "jdp.cli", *args], capture_output=True, text=True, env=env, timeout=timeout, **kw
+    )
+
+
+def run_layout(tmp_path, env, nproc, devices_each):
+    run_dir = tmp_path / f"{nproc}x{devices_each}"
+    args = [*TRAIN, f"train.run_dir={run_dir}"]
+    if nproc == 1:
+        out = jdp(args, {**env, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_each}"})
+    else:
+        out = jdp(["launch", "--nproc-per-node", str(nproc), "--devices-per-proc", str(devices_each), "--", *args], env)
+    assert out.returncode == 0, out.stderr[-4000:]
+    if nproc > 1:
+        assert "[rank 0] jdp | process 0 of" in out.stdout  # every line carries its rank
+        assert "jdp | model" not in out.stdout.replace("[rank 0] jdp | model", "")  # one voice: rank 0 only
+    return read_metrics(run_dir / "metrics.jsonl"), json.loads((run_dir / "summary.json").read_text())
+
+
+def test_launch_layouts_train_exactly_like_one_process(tmp_path, env):
+    base_metrics, base_summary = run_layout(tmp_path, env, 1, 4)
+    for nproc, devices_each in [(2, 2), (4, 1)]:
+        metrics, summary = run_layout(tmp_path, env, nproc, devices_each)
+        assert summary["devices"] == 4 and f"of {nproc}" in summary["world"]
+        assert [r["step"] for r in metrics] == [r["step"] for r in base_metrics]
+        for a, b in zip(base_metrics, metrics, strict=True):
+            for key in ("loss", "grad_norm", "eval_loss"):
+                if key in a:
+                    assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (nproc, key, a, b)
+        # Final parameters, leaf by leaf: the norm, and the projection on a fixed Gaussian vector, which is
+        # within 6 |a - b| of zero for any difference a - b, so a mismatch above 1e-5 relative would show.
+        for name, (_, norm_a, proj_a) in base_summary["params_fingerprint"].items():
+            _, norm_b, proj_b = summary["params_fingerprint"][name]
+            assert abs(norm_a - norm_b) <= 1e-5 * norm_a, name
+            assert abs(proj_a - proj_b) <= 6e-5 * norm_a, name
+
+
+@pytest.fixture
+def launched():
+    """Launchers started by a test; whatever is left of them and their workers is killed afterwards."""
+    procs = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            for child in psutil.Process(p.pid).children(recursive=True):
+                child.kill()
+            p.kill()
+            p.wait()
+
+
+def start_launch(tmp_path, env, launched, nproc=2, extra=()):
+    args = [sys.executable, "-m", "jdp.cli", "launch", "--nproc-per-node", str(nproc), "--grace-s", "3", *extra, "--"]
+    args += ["train", "configs/tiny.yaml", "train.steps=100000", "train.progress=false", "train.log_every=1"]
+    args += [f"train.run_dir={tmp_path / 'long'}", "parallel.heartbeat_timeout_s=10"]
+    launched.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return launched[-1]
+
+
+def wait_for_training(tmp_path, launcher, timeout=180):
+    metrics = tmp_path / "long" / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "training never started"
+        time.sleep(0.5)
+    workers = psutil.Process(launcher.pid).children(recursive=True)
+    assert len([w for w in workers if "jdp.cli" in " ".join(w.cmdline())]) == 2
+    return workers
+
+
+def worker_with_rank(workers, rank):
+    return next(
+        w for w in workers if w.environ().get("JAX_PROCESS_ID") == str(rank) and "jdp.cli" in " ".join(w.cmdline())
+    )
+
+
+def assert_all_gone(workers):
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive, [p.cmdline() for p in alive]
+
+
+def test_killed_worker_stops_the_job_within_a_minute_and_is_named(tmp_path, env, launched):
+    launcher = start_launch(tmp_path, env, launched)
+    workers = wait_for_training(tmp_path, launcher)
+    victim = worker_with_rank(workers, 1)
+    killed_at = time.monotonic()
+    victim.send_signal(signal.SIGKILL)
+    _, err = launcher.communicate(timeout=60)
+    assert time.monotonic() - killed_at < 60
+    assert launcher.returncode != 0
+    assert "worker rank 1" in err and "SIGKILL" in err, err[-3000:]
+    assert_all_gone(workers)
+
+
+def test_sigterm_to_the_launcher_reaches_every_worker(tmp_path, env, launched):
+    launcher = start_launch(tmp_path, env, launched)
+    workers = wait_for_training(tmp_path, launcher)
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=60)
+    assert "passing it to the workers" in err
+    assert_all_gone(workers)
+
+
+def test_max_restarts_restarts_the_group_then_gives_up(tmp_path, env):
+    out = jdp(
+        ["launch", "--nproc-per-node", "2", "--max-restarts", "1", "--", "train", "train.steps=-1"], env, timeout=120
+    )
+    assert out.returncode != 0
+    assert out.stderr.count("started ranks [0, 1] of 2") == 2
+    assert "restarting the group (restart 1 of 1)" in out.stderr and "giving up" in out.stderr
+    assert "train.steps=-1 must be positive" in out.stderr  # the worker's own error, prefixed by its rank
+
+
+@pytest.mark.parametrize("present, words", [(0, "all 2 processes to register"), (1, "the coordinator (process 0)")])
+def test_a_worker_that_never_arrives_is_a_clear_error_within_the_timeout(tmp_path, env, present, words):
+    # Only one of the job's two processes is ever started.
+    penv = {**env, "JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(present)}
+    if present == 0:
+        from conftest import free_port
+
+        penv["JAX_COORDINATOR_ADDRESS"] = f"127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    out = jdp(["train", "parallel.init_timeout_s=5", f"train.run_dir={tmp_path / 'x'}"], penv, timeout=90)
+    assert out.returncode != 0
+    assert time.monotonic() - start < 60
+    assert words in out.stderr and "phase: initialization" in out.stderr and "after 5 s" in out.stderr, out.stderr[
+        -2000:
+    ]
+
+
+def test_launch_refuses_bad_options(env):
+    out = jdp(["launch", "--nproc-per-node", "2", "--nnodes", "2", "--", "train"], env, timeout=60)
+    assert out.returncode == 2 and "--coordinator" in out.stderr
+    out = jdp(["launch", "--nproc-per-node", "2"], env, timeout=60)
+    assert out.returncode == 2 and "nothing to launch" in out.stderr
+    env_gpus = {**env, "CUDA_VISIBLE_DEVICES": "0,1,2"}
+    out = jdp(["launch", "--nproc-per-node", "2", "--", "train"], env_gpus, timeout=60)
+    assert out.returncode == 2 and "3 GPUs do not split evenly" in out.stderr

@@ -1,0 +1,122 @@
+"""Every way of describing a multi-process job resolves to the right coordinator, count and id."""
+
+import pytest
+
+from jdp.parallel import WorldError, resolve_world
+
+
+def test_nothing_means_one_plain_process():
+    w = resolve_world(env={})
+    assert (w.num_processes, w.process_id, w.coordinator) == (1, 0, None)
+
+
+def test_explicit_options():
+    w = resolve_world("10.0.0.1:1234", 8, 3, (2, 3), env={})
+    assert (w.coordinator, w.num_processes, w.process_id, w.local_device_ids) == ("10.0.0.1:1234", 8, 3, (2, 3))
+    assert w.source == "explicit options" and not w.auto_detect
+
+
+def test_jax_variables():
+    env = {"JAX_COORDINATOR_ADDRESS": "host0:5000", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "2"}
+    w = resolve_world(env=env)
+    assert (w.coordinator, w.num_processes, w.process_id) == ("host0:5000", 4, 2)
+    assert "JAX_" in w.source
+
+
+def test_torchrun_variables_and_local_rank_picks_the_gpu():
+    env = {"MASTER_ADDR": "node7", "MASTER_PORT": "29500", "WORLD_SIZE": "16", "RANK": "9"}
+    w = resolve_world(env={**env, "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "8"})
+    assert (w.coordinator, w.num_processes, w.process_id, w.local_device_ids) == ("node7:29500", 16, 9, (1,))
+    # One process per node (all its GPUs): no device restriction.
+    assert resolve_world(env={**env, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}).local_device_ids is None
+
+
+@pytest.mark.parametrize(
+    "nodelist, host",
+    [("gpu001", "gpu001"), ("gpu001,gpu002", "gpu001"), ("gpu[003-010],cpu1", "gpu003"), ("n[007,009-011]", "n007")],
+)
+def test_slurm_variables(nodelist, host):
+    env = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": nodelist, "SLURM_NTASKS": "4", "SLURM_PROCID": "3"}
+    w = resolve_world(env={**env, "SLURM_LOCALID": "1"})
+    # The same port JAX's own SLURM detection computes from the job id.
+    assert w.coordinator == f"{host}:{4242 % 4096 + 65535 - 4096 + 1}"
+    assert (w.num_processes, w.process_id, w.auto_detect) == (4, 3, True)
+
+
+def test_open_mpi_variables_leave_the_address_to_jax():
+    w = resolve_world(env={"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1"})
+    assert (w.num_processes, w.process_id, w.coordinator, w.auto_detect) == (2, 1, None, True)
+
+
+def test_priority_explicit_then_jax_then_torchrun_then_slurm():
+    slurm = {
+        "SLURM_JOB_ID": "1",
+        "SLURM_STEP_NODELIST": "a",
+        "SLURM_NTASKS": "2",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+    }
+    jax_vars = {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "8", "JAX_PROCESS_ID": "5"}
+    # A launcher inside a SLURM allocation describes its workers with JAX's variables: they win over SLURM's.
+    assert resolve_world(env={**slurm, **jax_vars}).num_processes == 8
+    assert resolve_world("h:1", 8, 5, env=jax_vars).source == "explicit options"
+
+
+@pytest.mark.parametrize(
+    "kwargs, env, words",
+    [
+        ({}, {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2"}, ["incomplete", "JAX_", "process id"]),
+        ({}, {"WORLD_SIZE": "4", "RANK": "1"}, ["incomplete", "torchrun", "coordinator"]),
+        ({"num_processes": 2, "process_id": 0}, {}, ["incomplete", "explicit", "coordinator"]),
+        ({}, {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"}, ["not in [0, 2)"]),
+        ({}, {"JAX_COORDINATOR_ADDRESS": "h", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}, ["HOST:PORT"]),
+        ({}, {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "two", "JAX_PROCESS_ID": "1"}, ["not an integer"]),
+        (
+            {},
+            {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
+            | {"MASTER_ADDR": "h", "MASTER_PORT": "1", "WORLD_SIZE": "4", "RANK": "1"},
+            ["contradictory", "JAX_", "torchrun", "of 2", "of 4"],
+        ),
+        (
+            {"coordinator": "a:1", "num_processes": 2, "process_id": 0},
+            {"JAX_COORDINATOR_ADDRESS": "b:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"},
+            ["contradictory", "a:1", "b:1"],
+        ),
+    ],
+)
+def test_incomplete_or_contradictory_descriptions_are_clear_errors(kwargs, env, words):
+    with pytest.raises(WorldError) as info:
+        resolve_world(**kwargs, env=env)
+    for word in words:
+        assert word in str(info.value), str(info.value)
+
+
+def test_agreeing_sources_are_fine():
+    env = {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
+    env |= {"MASTER_ADDR": "h", "MASTER_PORT": "1", "WORLD_SIZE": "2", "RANK": "1"}
+    assert resolve_world(env=env).process_id == 1
+
+
+def test_cluster_scripts_describe_a_consistent_job():
+    import subprocess
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    assert subprocess.run(["bash", "-n", str(root / "scripts/slurm.sbatch")]).returncode == 0
+    service, job = yaml.safe_load_all((root / "scripts/k8s-job.yaml").read_text())
+    spec = job["spec"]
+    env = {e["name"]: e for e in spec["template"]["spec"]["containers"][0]["env"]}
+    n = int(env["JAX_NUM_PROCESSES"]["value"])
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == n
+    assert "job-completion-index" in env["JAX_PROCESS_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
+    host, port = env["JAX_COORDINATOR_ADDRESS"]["value"].split(":")
+    assert (
+        host == f"{job['metadata']['name']}-0.{service['metadata']['name']}"
+        and int(port) == service["spec"]["ports"][0]["port"]
+    )
+    # What a pod of that job resolves to.
+    pod = {"JAX_COORDINATOR_ADDRESS": f"{host}:{port}", "JAX_NUM_PROCESSES": str(n), "JAX_PROCESS_ID": "1"}
+    w = resolve_world(env=pod)
+    assert (w.num_processes, w.process_id, w.coordinator) == (n, 1, f"{host}:{port}")
