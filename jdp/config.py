@@ -68,6 +68,12 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 100  # 0: evaluate only at the end
     progress: bool = True
+    ckpt_every: int = 100  # checkpoint every N steps (asynchronously) and at the end; 0: only at the end
+    ckpt_keep: int = 3  # checkpoints kept (the newest)
+    resume: bool = True  # resume from the run directory's latest checkpoint; false archives it and starts over
+    max_bad_steps: int = 5  # more non-finite steps than this in a row stop the run
+    check_replicas_every: int = 100  # compare a digest of every replica's parameters; 0: only at start
+    step_timeout_s: int = 600  # no step finished for this long: a peer is stalled or dead, so exit
 
 
 @dataclass(frozen=True)
@@ -219,6 +225,8 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Derived:
         ("train.batch_size", t.batch_size),
         ("train.grad_accum", t.grad_accum),
         ("train.log_every", t.log_every),
+        ("train.ckpt_keep", t.ckpt_keep),
+        ("train.step_timeout_s", t.step_timeout_s),
     ]:
         if v <= 0:
             problems.append(f"{name}={v} must be positive")
@@ -236,8 +244,11 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Derived:
         )
     if cfg.parallel.init_timeout_s <= 0 or cfg.parallel.heartbeat_timeout_s <= 0:
         problems.append("parallel.init_timeout_s and parallel.heartbeat_timeout_s must be positive")
-    if d.val_tokens < 0 or t.eval_every < 0 or d.prefetch < 0:
-        problems.append("data.val_tokens, data.prefetch and train.eval_every must be >= 0")
+    if min(d.val_tokens, t.eval_every, d.prefetch, t.ckpt_every, t.max_bad_steps, t.check_replicas_every) < 0:
+        problems.append(
+            "data.val_tokens, data.prefetch, train.eval_every, train.ckpt_every, train.max_bad_steps and "
+            "train.check_replicas_every must be >= 0"
+        )
     if o.name not in ("adamw", "sgd"):
         problems.append(f"optim.name={o.name!r} must be adamw or sgd")
     if o.lr <= 0 or o.warmup_steps < 0 or not 0 <= o.min_lr_ratio <= 1 or o.grad_clip < 0:

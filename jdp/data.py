@@ -355,6 +355,10 @@ class Data:
             return self.train.batch(step, self.rows)
         return self.train.next_batch()
 
+    def position(self) -> dict | None:
+        """Where a streaming loader stands (its state_dict); None for map-style data, whose position is the step."""
+        return None if isinstance(self.train, Batches) else self.train.state_dict()
+
     def describe(self) -> str:
         t, tok = self.tokens, f"tokenizer {self.tokenizer.name} (vocab {self.tokenizer.vocab_size})"
         if not isinstance(self.train, Batches):

@@ -87,3 +87,22 @@ class MetricsLog:
 
 def read_metrics(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def supersede(path: str | Path, after_step: int) -> int:
+    """Move records of steps after `after_step` (work lost since the checkpoint a run resumes from) from
+    metrics.jsonl to metrics.superseded.jsonl, so the log never holds a step twice and nothing is deleted."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    keep, moved = [], []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            (moved if json.loads(line)["step"] > after_step else keep).append(line)
+    if moved:
+        with path.with_name("metrics.superseded.jsonl").open("a") as f:
+            f.write("\n".join(moved) + "\n")
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        tmp.replace(path)
+    return len(moved)

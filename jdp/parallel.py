@@ -9,8 +9,10 @@ import dataclasses
 import math
 import os
 import re
+import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -324,7 +326,13 @@ def make_train_step(
         # Every replica applies the identical update to identical parameters: they stay bit-identical.
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": weight}
+        # A non-finite loss, gradient or result skips the update. These values come after the all-reduce,
+        # so every replica takes the same decision; the batch still counts as consumed (state.step advances).
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(params))
+        params, opt_state = jax.tree.map(
+            lambda new, old: jnp.where(ok, new, old), (params, opt_state), (state.params, state.opt_state)
+        )
+        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": weight, "skipped": 1 - ok.astype(jnp.int32)}
         if schedule is not None:
             metrics["lr"] = jnp.asarray(schedule(state.step), jnp.float32)
         return TrainState(state.step + 1, params, opt_state, state.rest), metrics
@@ -353,6 +361,30 @@ def make_eval_step(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh):
         return jax.lax.psum(loss, AXIS), jax.lax.psum(weight, AXIS)
 
     return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(), P())))
+
+
+def make_replica_digest(mesh: jax.sharding.Mesh):
+    """state -> one uint32 digest per device of its own copy of the parameters (exact, bit-level)."""
+
+    def digest(params):
+        total = jnp.zeros((), jnp.uint32)
+        for leaf in jax.tree.leaves(params):
+            bits = jax.lax.bitcast_convert_type(leaf.astype(jnp.float32), jnp.uint32).ravel()
+            weights = jnp.arange(1, bits.size + 1, dtype=jnp.uint32)  # position matters, not just the multiset
+            total = total * jnp.uint32(31) + jnp.sum(bits * weights, dtype=jnp.uint32)
+        return total[None]
+
+    # check_vma=False: each device digests its own copy, which is exactly what must be compared.
+    return jax.jit(jax.shard_map(digest, mesh=mesh, in_specs=P(), out_specs=P(AXIS), check_vma=False))
+
+
+def replica_digest_mismatches(digest_fn, params, mesh: jax.sharding.Mesh) -> list[str]:
+    """Devices (of every process) whose parameter digest differs from the first device's."""
+    from jax.experimental import multihost_utils
+
+    digests = np.asarray(multihost_utils.process_allgather(digest_fn(params), tiled=True))
+    devices = list(mesh.devices.flat)
+    return [f"{devices[i]} (process {devices[i].process_index})" for i in np.flatnonzero(digests != digests[0])]
 
 
 def replica_mismatches(tree) -> list[str]:
@@ -402,3 +434,116 @@ def all_reduces(hlo_text: str) -> list[AllReduce]:
                 AllReduce(m.group(1), computation, computation in loop_comps, [f"{t}[{d}]" for t, d in shapes], nbytes)
             )
     return found
+
+
+def _kv():
+    """jax.distributed's key-value store (on the coordinator), or None in a single-process run."""
+    from jax._src import distributed
+
+    return distributed.global_state.client if jax.process_count() > 1 else None
+
+
+class StopAgreement:
+    """SIGTERM or SIGINT to any process makes every process stop after the same step (then save and exit 0).
+
+    The process that gets the signal proposes "stop after step s + margin" in jax.distributed's key-value
+    store; every process reads it before each step. Processes of a data-parallel job are never more than a
+    step or two apart (each step's metrics fetch waits for everyone's previous step), so the margin of 3
+    leaves every process room to reach the agreed step. A second signal exits at once.
+    """
+
+    MARGIN = 3
+    KEY = "jdp/stop_after_step"
+
+    def __init__(self):
+        self.stop_at: int | None = None
+        self.signals = 0
+        self._pending: int | None = None
+        self._previous = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handler(self, sig, frame) -> None:
+        self.signals += 1
+        if self.signals > 1:
+            print(f"jdp: second {signal.Signals(sig).name}: exiting now, without saving", file=sys.stderr, flush=True)
+            os._exit(128 + sig)
+        self._pending = sig
+
+    def should_stop(self, done: int) -> bool:
+        """Called before each step with the number of steps done: True once the agreed step is reached."""
+        kv = _kv()
+        if self._pending is not None and self.stop_at is None:
+            proposal = done + (self.MARGIN if kv else 0)
+            name = signal.Signals(self._pending).name
+            if kv:
+                try:
+                    kv.key_value_set(self.KEY, str(proposal))
+                except Exception:
+                    pass  # another process proposed first; its step is the one everybody reads
+            print(
+                f"jdp: process {jax.process_index()} got {name}: every process will stop at an agreed step and "
+                f"save (send it again to exit at once)",
+                file=sys.stderr,
+                flush=True,
+            )
+            if not kv:
+                self.stop_at = proposal
+        if kv and self.stop_at is None:
+            try:
+                self.stop_at = int(kv.key_value_try_get(self.KEY))
+            except Exception:
+                pass  # no proposal yet
+        return self.stop_at is not None and done >= self.stop_at
+
+    def close(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class Watchdog:
+    """Exits this process, with a message, when no step finishes for `timeout_s` (a stalled or dead peer).
+
+    Each process records its last finished step in the key-value store, so the message names the
+    processes that are behind.
+    """
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s, self.step, self.last = timeout_s, 0, time.monotonic()
+        self.armed = False
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True, name="jdp-watchdog").start()
+
+    def progress(self, step: int) -> None:
+        self.step, self.last, self.armed = step, time.monotonic(), True
+        kv = _kv()
+        if kv:
+            kv.key_value_set(f"jdp/progress/{jax.process_index()}", str(step), allow_overwrite=True)
+
+    def pause(self) -> None:
+        """Stop watching (long, legitimate waits: evaluation, a checkpoint save); progress() re-arms."""
+        self.armed = False
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            if self.armed and time.monotonic() - self.last > self.timeout_s:
+                behind = ""
+                try:
+                    kv = _kv()
+                    if kv:
+                        steps = {int(k.rsplit("/", 1)[1]): int(v) for k, v in kv.key_value_dir_get("jdp/progress/")}
+                        lagging = sorted(
+                            p for p in range(jax.process_count()) if steps.get(p, -1) < max(steps.values())
+                        )
+                        behind = f"; processes behind the others: {lagging or 'none'} (last steps: {steps})"
+                except Exception as e:
+                    behind = f"; could not reach the coordinator to ask the others ({type(e).__name__})"
+                print(
+                    f"jdp: error: process {jax.process_index()} of {jax.process_count()}: no step finished for "
+                    f"{self.timeout_s:g} s after step {self.step} (train.step_timeout_s){behind}. A peer is "
+                    f"stalled or dead; exiting instead of waiting forever.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(4)
+
+    def close(self) -> None:
+        self._stop.set()

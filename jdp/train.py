@@ -1,21 +1,28 @@
-"""The training loop: config -> mesh -> data -> step -> loop, with evaluation, progress and metrics."""
+"""The training loop: config -> mesh -> data -> step -> loop -> checkpoint, with evaluation and metrics."""
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import json
 import math
+import os
+import shutil
+import signal
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from jdp import parallel
+from jdp.checkpoint import Checkpoints, check_resumable
 from jdp.config import Config, ConfigError, save_config, validate
 from jdp.data import Prefetcher, eval_batches, load_data
-from jdp.metrics import MetricsLog, flops_per_token, peak_flops
+from jdp.metrics import MetricsLog, flops_per_token, peak_flops, supersede
 from jdp.model import GPT, count_params, lm_loss
 from jdp.optim import make_optimizer
 
@@ -42,8 +49,53 @@ def fingerprint(params) -> dict[str, list[float]]:
     return out
 
 
+def params_sha256(params) -> str:
+    """The exact bytes of the parameters (any local replica): equal digests mean bit-identical parameters."""
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(params):
+        h.update(np.asarray(leaf.addressable_shards[0].data).tobytes())
+    return h.hexdigest()
+
+
 class RunError(RuntimeError):
     """Training failed; the message names the process and the phase it was in."""
+
+
+def test_hooks() -> dict[str, str]:
+    """Fault injection for jdp's own tests, off unless JDP_TEST_* variables are set:
+    JDP_TEST_NAN_STEPS=3,4 (NaN weights in those steps' batches), JDP_TEST_KILL=STEP or STEP:save (SIGKILL
+    process 0 after that step, or just after starting its checkpoint save), JDP_TEST_TERM=STEP:save (SIGTERM
+    process 0 just after starting the save at STEP), JDP_TEST_DIVERGE=STEP (perturb
+    the last device's replica), JDP_TEST_STALL=STEP:PROCESS (that process stops at that step)."""
+    return {k[len("JDP_TEST_") :].lower(): v for k, v in os.environ.items() if k.startswith("JDP_TEST_")}
+
+
+def _diverge(params):
+    """Test hook: add 1e-3 to the first parameter on the mesh's last device only."""
+    leaf = jax.tree.leaves(params)[0]
+    last = leaf.sharding.mesh.devices.flat[-1]
+    shards = [
+        jax.device_put(np.asarray(s.data) + (1e-3 if s.device == last else 0.0), s.device)
+        for s in leaf.addressable_shards
+    ]
+    new = jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, shards)
+    flat, tree = jax.tree.flatten(params)
+    return jax.tree.unflatten(tree, [new, *flat[1:]])
+
+
+def _archive(run_dir: Path) -> Path | None:
+    """Move a previous run's files into run_dir/archived-TIME (train.resume=false): nothing is deleted."""
+    old = [
+        run_dir / n for n in ("checkpoints", "metrics.jsonl", "metrics.superseded.jsonl", "summary.json", "data_state")
+    ]
+    old = [p for p in old if p.exists()]
+    if not old:
+        return None
+    dest = run_dir / f"archived-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    dest.mkdir(parents=True)
+    for p in old:
+        shutil.move(str(p), str(dest / p.name))
+    return dest
 
 
 def train(cfg: Config, world: parallel.World | None = None) -> dict:
@@ -67,19 +119,18 @@ def train(cfg: Config, world: parallel.World | None = None) -> dict:
 
 def _train(cfg: Config, world: parallel.World, phase: list[str]) -> dict:
     t = cfg.train
+    hooks = test_hooks()
     start_time = time.time()
     mesh = parallel.make_mesh()
     derived = validate(cfg, mesh.devices.size, jax.process_count())
     is_main = jax.process_index() == 0
+    say = print if is_main else (lambda *a, **k: None)
     run_dir = Path(t.run_dir)
-    if (run_dir / "metrics.jsonl").exists():
-        raise ConfigError(f"train.run_dir={run_dir} already holds a run (metrics.jsonl); choose another train.run_dir")
     rows = parallel.process_rows(t.batch_size, mesh)
     phase[0] = "loading data"
     data = load_data(
         cfg.data, cfg.model.vocab_size, t.batch_size, t.seed, rows, jax.process_index(), jax.process_count()
     )
-    say = print if is_main else (lambda *a, **k: None)
 
     phase[0] = "building the model and compiling"
     model = GPT(cfg.model, nnx.Rngs(t.seed))
@@ -89,6 +140,25 @@ def _train(cfg: Config, world: parallel.World, phase: list[str]) -> dict:
     del model
     train_step = parallel.make_train_step(graphdef, lm_loss, optimizer, mesh, t.grad_accum, schedule)
     eval_step = parallel.make_eval_step(graphdef, lm_loss, mesh)
+    digest = parallel.make_replica_digest(mesh)
+
+    phase[0] = "looking for checkpoints"
+    if not t.resume and is_main and (archived := _archive(run_dir)):
+        say(f"jdp | train.resume=false: the previous run's files are now in {archived}")
+    multihost_utils.sync_global_devices("jdp: run directory ready")
+    ckpts = Checkpoints(run_dir, t.ckpt_keep)
+    start, resumed_from = 0, None
+    if t.resume and (restored := ckpts.restore_latest(state, lambda record: check_resumable(record, cfg))):
+        start, state, record = restored
+        resumed_from = start
+        if cfg.data.streaming:
+            data.train.load_state_dict(
+                json.loads((run_dir / "data_state" / str(start) / f"process_{jax.process_index()}.json").read_text())
+            )
+    if is_main and (moved := supersede(run_dir / "metrics.jsonl", start)):
+        say(
+            f"jdp | {moved} metrics records after step {start} (work lost since that checkpoint) moved to metrics.superseded.jsonl"
+        )
 
     fpt = flops_per_token(cfg)
     peak, peak_source = peak_flops(cfg.model.dtype, derived.n_devices)
@@ -99,28 +169,68 @@ def _train(cfg: Config, world: parallel.World, phase: list[str]) -> dict:
         f"jdp | model {n_params:,} parameters | {fpt / 1e6:.1f} MFLOPs/token | MFU peak: {peak / 1e12:.3g} TFLOP/s, {peak_source}"
     )
     say(f"jdp | {derived.describe()}")
+    epochs = "" if cfg.data.streaming else f" | {t.steps} steps = {data.train.epoch(t.steps):.3f} epochs"
+    say(f"jdp | data {data.describe()}{epochs}")
     say(
-        f"jdp | data {data.describe()}"
-        + (f" | {t.steps} steps = {data.train.epoch(t.steps):.3f} epochs" if not cfg.data.streaming else "")
+        f"jdp | run dir {run_dir} | "
+        + (f"resuming from the checkpoint at step {start}" if resumed_from is not None else "starting at step 0")
     )
-    say(f"jdp | run dir {run_dir}")
     if is_main:
         save_config(cfg, run_dir)
+
+    def check_replicas(step: int) -> None:
+        phase[0] = f"checking the replicas at step {step}"
+        if str(step) == hooks.get("diverge"):
+            state.params = _diverge(state.params)
+        if bad := parallel.replica_digest_mismatches(digest, state.params, mesh):
+            raise RuntimeError(
+                f"replicas diverged at step {step}: the parameters on {', '.join(bad)} differ from device 0's"
+            )
+
+    check_replicas(start)
+
     log = MetricsLog(run_dir / "metrics.jsonl", enabled=is_main)
     do_eval = cfg.data.val_tokens > 0
-
     last: dict = {}
-    bar = tqdm(total=t.steps, disable=not (is_main and t.progress), unit="step", dynamic_ncols=True, mininterval=1.0)
-    clock = {"t": None, "tokens": 0, "tps": None, "wait": 0.0}  # throughput window, opened after step 1 (compilation)
-    loader = Prefetcher(data.local_batch, 0, t.steps, cfg.data.prefetch)
+    bar = tqdm(
+        total=t.steps,
+        initial=start,
+        disable=not (is_main and t.progress),
+        unit="step",
+        dynamic_ncols=True,
+        mininterval=1.0,
+    )
+    clock = {"t": None, "tokens": 0, "tps": None, "wait": 0.0, "skipped": 0, "bad_run": 0, "bad_total": 0}
+    positions: dict[int, object] = {}  # streaming: the loader's position after each step's batch
+    loader = Prefetcher(lambda s: (data.local_batch(s), data.position()), start, t.steps, cfg.data.prefetch)
+    stop = parallel.StopAgreement()
+    watchdog = parallel.Watchdog(t.step_timeout_s)
 
     def finish(step: int, metrics) -> None:
         """Host side of step `step` (1-based): fetch its metrics (it has finished by now) and log them."""
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        watchdog.progress(step)
         now = time.perf_counter()
         tps = None
         if clock["t"] is not None:
             clock["tokens"] += derived.tokens_per_step
+        if m["skipped"]:
+            clock["skipped"] += 1
+            clock["bad_total"] += 1
+            clock["bad_run"] += 1
+            if is_main:
+                bar.write(
+                    f"step {step}: non-finite loss or gradient (loss {m['loss']}, grad_norm {m['grad_norm']}): update skipped"
+                )
+            if clock["bad_run"] > t.max_bad_steps:
+                good = [s for s in ckpts.steps() if s < step]
+                raise RuntimeError(
+                    f"{clock['bad_run']} non-finite steps in a row (more than train.max_bad_steps={t.max_bad_steps}), "
+                    f"the last at step {step}; the parameters were never updated with them and the newest "
+                    f"checkpoint is step {good[-1] if good else 'none'}. Lower optim.lr or check the data"
+                )
+        else:
+            clock["bad_run"] = 0
         if step % t.log_every == 0 or step == t.steps:
             if clock["t"] is not None and now > clock["t"]:
                 tps = clock["tps"] = clock["tokens"] / (now - clock["t"])
@@ -135,8 +245,10 @@ def _train(cfg: Config, world: parallel.World, phase: list[str]) -> dict:
                 "tokens": step * derived.tokens_per_step,
                 # Seconds the loop waited for this process's batches since the previous record.
                 "data_wait_s": loader.wait_s - clock["wait"],
+                "skipped_steps": clock["skipped"],  # non-finite updates skipped since the previous record
+                "skipped_total": clock["bad_total"],
             }
-            clock["wait"] = loader.wait_s
+            clock["wait"], clock["skipped"] = loader.wait_s, 0
             log.write(record)
             last.update(record)
         if clock["t"] is None or tps is not None:
@@ -146,6 +258,7 @@ def _train(cfg: Config, world: parallel.World, phase: list[str]) -> dict:
 
     def run_eval(step: int) -> None:
         phase[0] = f"evaluating at step {step}"
+        watchdog.pause()
         loss, n_tok = evaluate(eval_step, state, data.tokens.val, cfg, mesh, rows)
         log.write({"step": step, "eval_loss": loss, "eval_tokens": n_tok})
         last.update(eval_loss=loss)
@@ -153,41 +266,107 @@ def _train(cfg: Config, world: parallel.World, phase: list[str]) -> dict:
             bar.write(f"step {step}: eval_loss {loss:.4f} over {n_tok:,.0f} tokens")
         clock["t"], clock["tokens"] = time.perf_counter(), 0  # evaluation time is not training throughput
 
-    pending = None
-    for step, local in loader:
-        phase[0] = f"running step {step + 1}"
-        state, metrics = train_step(state, parallel.shard_batch(local, mesh, t.batch_size))
-        # Fetch the previous step's metrics only now that this step is queued: the device never waits on us.
+    def save(step: int) -> None:
+        phase[0] = f"saving the checkpoint at step {step}"
+        if cfg.data.streaming:  # each process's own stream position, beside the checkpoint
+            where = run_dir / "data_state" / str(step)
+            where.mkdir(parents=True, exist_ok=True)
+            (where / f"process_{jax.process_index()}.json").write_text(json.dumps(positions[step]))
+        record = {"step": step, "config": json.loads(json.dumps(cfg.to_dict())), "data": {"seed": t.seed, "step": step}}
+        record["rng"] = "none: the train step draws no random numbers; data order derives from (train.seed, step)"
+        ckpts.save(step, state, record)
+        saved.add(step)
+        if jax.process_index() == 0:  # test hooks: a signal while the asynchronous save is being written
+            if hooks.get("kill") == f"{step}:save":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if hooks.get("term") == f"{step}:save":
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    pending, done, preempted, saved = None, start, False, set(ckpts.steps())
+    periodic = {"replicas": t.check_replicas_every, "eval": t.eval_every if do_eval else 0, "checkpoint": t.ckpt_every}
+    try:
+        for step, (local, position) in loader:
+            if stop.should_stop(done):
+                preempted = True
+                break
+            phase[0] = f"running step {step + 1}"
+            if hooks.get("stall") == f"{step + 1}:{jax.process_index()}":
+                time.sleep(10**6)  # test hook: a process that stops making progress
+            if str(step + 1) in hooks.get("nan_steps", "").split(","):
+                local = {**local, "weights": local["weights"] * np.float32("nan")}
+            positions[step + 1] = position
+            state, metrics = train_step(state, parallel.shard_batch(local, mesh, t.batch_size))
+            done = step + 1
+            # Fetch the previous step's metrics only now that this step is queued: the device never waits on us.
+            if pending is not None:
+                finish(*pending)
+            pending = (done, metrics)
+            due = {name: every and done % every == 0 and done < t.steps for name, every in periodic.items()}
+            if any(due.values()):
+                finish(*pending)
+                pending = None
+                if due["replicas"]:
+                    check_replicas(done)
+                if due["eval"]:
+                    run_eval(done)
+                if due["checkpoint"]:
+                    save(done)
+            if hooks.get("kill") == str(done) and jax.process_index() == 0:
+                if pending is not None:
+                    finish(*pending)
+                    pending = None
+                os.kill(os.getpid(), signal.SIGKILL)  # test hook: die after this step
+            positions.pop(done - 1, None)
         if pending is not None:
             finish(*pending)
-        pending = (step + 1, metrics)
-        if do_eval and t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
-            finish(*pending)
-            pending = None
-            run_eval(step + 1)
-    if pending is not None:
-        finish(*pending)
-    if do_eval:
-        run_eval(t.steps)
+    except BaseException:
+        # A checkpoint already being written holds good parameters: let it complete. With several processes a
+        # dead peer could block that forever, so only a single process waits.
+        loader.close()
+        if jax.process_count() == 1:
+            ckpts.wait()
+        raise
     loader.close()
+    if preempted:
+        if done not in saved:
+            save(done)
+        phase[0] = f"waiting for the checkpoint at step {done}"
+        watchdog.pause()
+        ckpts.wait()
+        say(f"\njdp | stopped by a signal after step {done}; checkpoint saved. Run the same command to resume.")
+    else:
+        if do_eval:
+            run_eval(t.steps)
+        if t.steps not in saved:
+            save(t.steps)
+        phase[0] = "waiting for the last checkpoint"
+        watchdog.pause()
+        ckpts.wait()
+    watchdog.close()
+    stop.close()
+    ckpts.close()
     bar.close()
     log.close()
     phase[0] = "writing the summary"
     summary = {
-        "steps": t.steps,
+        "steps": done,
+        "preempted": preempted,
+        "resumed_from": resumed_from,
         "loss": last.get("loss"),
         "eval_loss": last.get("eval_loss"),
+        "skipped_total": clock["bad_total"],
         "wall_s": time.time() - start_time,
         "world": world.describe(),
         "devices": derived.n_devices,
+        "params_sha256": params_sha256(state.params),
         "params_fingerprint": fingerprint(state.params),
     }
     if is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    say(
-        f"jdp | done: loss {last.get('loss', float('nan')):.4f}"
-        + (f", eval_loss {last['eval_loss']:.4f}" if do_eval else "")
-    )
-    last["state"] = state
-    last["graphdef"] = graphdef
+    if not preempted:
+        say(
+            f"jdp | done: loss {last.get('loss', float('nan')):.4f}"
+            + (f", eval_loss {last['eval_loss']:.4f}" if do_eval else "")
+        )
+    last.update(state=state, graphdef=graphdef, preempted=preempted, skipped_total=clock["bad_total"])
     return last

@@ -7,19 +7,20 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={N_DEVICES}"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Many tests compile the same small steps in fresh processes: share compiled programs within the session.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jdp-test-xla-cache-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 
-import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 import pytest  # noqa: E402
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from jdp.launch import free_port  # noqa: E402
 
 
 def spawn_processes(

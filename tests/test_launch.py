@@ -147,7 +147,7 @@ def test_a_worker_that_never_arrives_is_a_clear_error_within_the_timeout(tmp_pat
     # Only one of the job's two processes is ever started.
     penv = {**env, "JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(present)}
     if present == 0:
-        from conftest import free_port
+        from jdp.launch import free_port
 
         penv["JAX_COORDINATOR_ADDRESS"] = f"127.0.0.1:{free_port()}"
     start = time.monotonic()

@@ -9,7 +9,7 @@ import pytest
 
 import jdp.parallel
 from jdp.cli import main
-from jdp.config import ConfigError, load_config
+from jdp.config import load_config
 from jdp.metrics import read_metrics
 from jdp.train import train
 
@@ -64,11 +64,12 @@ def test_missing_text_column_is_a_clear_error(capsys, no_compile, cache, tmp_pat
     assert "no column 'text'" in err and "body" in err
 
 
-def test_existing_run_dir_is_not_overwritten(cache, tmp_path, no_compile):
+def test_old_metrics_in_a_run_dir_without_checkpoints_are_kept_aside(cache, tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
-    with pytest.raises(ConfigError, match="already holds a run"):
-        train(load_config("tiny", [f"train.run_dir={tmp_path}"]))
-    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
+    small = ["model.n_layers=1", "model.d_model=32", "train.steps=2", "train.eval_every=0", "train.log_every=1"]
+    train(load_config("tiny", [*small, f"train.run_dir={tmp_path}", "train.progress=false"]))
+    assert (tmp_path / "metrics.superseded.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'  # never lost
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r] == [1, 2]  # never mixed
 
 
 @pytest.mark.slow

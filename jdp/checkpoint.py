@@ -1,0 +1,135 @@
+"""Checkpoints with orbax: asynchronous and atomic saves, the last k kept, resume past damaged ones."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+from jdp.config import Config, ConfigError
+
+# Config keys a resumed run may change: they do not alter what the next step computes. (train.steps re-targets
+# the learning-rate schedule's cosine decay, which the user asked for by changing it.)
+RESUMABLE_CHANGES = {
+    "train.steps", "train.log_every", "train.eval_every", "train.progress", "train.run_dir", "train.ckpt_every",
+    "train.ckpt_keep", "train.resume", "train.check_replicas_every", "train.step_timeout_s", "train.max_bad_steps",
+    "data.prefetch", "data.num_proc", "data.cache_dir",
+    "parallel.init_timeout_s", "parallel.heartbeat_timeout_s",
+}  # fmt: skip
+
+
+def config_differences(saved: dict, current: dict) -> list[str]:
+    """`section.key: saved -> current` for every value that differs and may not change on resume."""
+    out = []
+    for section, values in current.items():
+        for key, value in values.items():
+            name = f"{section}.{key}"
+            old = saved.get(section, {}).get(key, "<absent>")
+            if old != value and name not in RESUMABLE_CHANGES:
+                out.append(f"{name}: {old!r} -> {value!r}")
+    return out
+
+
+def abstract(tree):
+    """Shapes, dtypes and shardings of a pytree of arrays: what orbax restores into (on today's mesh)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+class Checkpoints:
+    """The run's checkpoints under RUN_DIR/checkpoints/STEP: train state + a JSON record (step, data, config).
+
+    Saves are asynchronous (training continues while they are written) and atomic (orbax writes into a
+    temporary directory and renames it when complete, so a partial save is never seen as a checkpoint).
+    An error in a background save is raised by the next `save` or by `wait`, never swallowed.
+    """
+
+    def __init__(self, run_dir: str | Path, keep: int):
+        self.dir = Path(run_dir).absolute() / "checkpoints"
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, cleanup_tmp_directories=True, enable_async_checkpointing=True
+        )
+        self.manager = ocp.CheckpointManager(self.dir, options=options)
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def save(self, step: int, state, record: dict) -> None:
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record))
+        self.manager.save(step, args=args, force=True)
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def restore_latest(self, state_like, check=lambda record: None) -> tuple[int, object, dict] | None:
+        """The newest checkpoint that restores, warning about (and setting aside) newer ones that do not.
+
+        `check(record)` sees each checkpoint's JSON record before its arrays are read; what it raises (a
+        refused config change) ends the search. None when there are no checkpoints at all.
+        """
+        steps, damaged = self.steps(), []
+        for step in reversed(steps):
+            try:
+                record = dict(
+                    self.manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
+                )
+            except Exception as e:
+                self._damaged(step, e)
+                damaged.append(step)
+                continue
+            check(record)
+            args = ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract(state_like)), record=ocp.args.JsonRestore()
+            )
+            try:
+                restored = self.manager.restore(step, args=args)
+            except Exception as e:  # a truncated or corrupt checkpoint: report it and try the one before
+                self._damaged(step, e)
+                damaged.append(step)
+                continue
+            self._set_aside(damaged)
+            return step, restored["state"], record
+        if steps:
+            raise ConfigError(
+                f"none of the checkpoints in {self.dir} ({steps}) can be restored; refusing to start from scratch "
+                f"over them. Move them away (or set train.resume=false) to start a new run"
+            )
+        return None
+
+    def _damaged(self, step: int, e: Exception) -> None:
+        print(
+            f"jdp: warning: checkpoint {self.dir / str(step)} cannot be restored ({type(e).__name__}: "
+            f"{str(e)[:300]}); falling back to the previous one",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Move damaged checkpoints to RUN_DIR/damaged-checkpoints (kept for inspection, out of the way)."""
+        if steps and jax.process_index() == 0:
+            aside = self.dir.parent / "damaged-checkpoints"
+            aside.mkdir(exist_ok=True)
+            for step in steps:
+                shutil.move(str(self.dir / str(step)), str(aside / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"))
+                print(f"jdp: warning: moved the damaged checkpoint {step} to {aside}", file=sys.stderr, flush=True)
+        if steps:
+            multihost_utils.sync_global_devices("jdp: damaged checkpoints set aside")
+            self.manager.reload()
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def check_resumable(record: dict, cfg: Config) -> None:
+    differences = config_differences(record["config"], json.loads(json.dumps(cfg.to_dict())))
+    if differences:
+        raise ConfigError(
+            "refusing to resume: the config changes what training computes:\n  "
+            + "\n  ".join(differences)
+            + "\nUse the saved values, or a new train.run_dir (or train.resume=false) to start a new run"
+        )

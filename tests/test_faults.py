@@ -1,0 +1,255 @@
+"""Checkpoints and faults: exact resume after SIGKILL, preemption, other shapes, NaNs, divergence, stalls."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jdp.config import ConfigError, load_config
+from jdp.metrics import read_metrics
+from jdp.train import RunError, train
+
+pytestmark = pytest.mark.slow
+
+# A small, fast model on the embedded corpus: each run is mostly compilation.
+SMALL = ["model.n_layers=2", "model.d_model=64", "model.max_seq_len=64", "data.seq_len=64", "train.batch_size=16"]
+SMALL += ["train.log_every=1", "train.eval_every=0", "train.progress=false", "data.val_tokens=4096"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return {**os.environ, "JDP_CACHE": str(tmp_path_factory.mktemp("cache")), "PYTHONUNBUFFERED": "1"}
+
+
+def run(run_dir, env, layout=(1, 4), extra=(), hooks=None, check=True, timeout=300):
+    """`jdp train` as one process with N devices, or through `jdp launch` as P processes x D devices."""
+    nproc, devices = layout
+    args = ["train", "configs/tiny.yaml", *SMALL, f"train.run_dir={run_dir}", *extra]
+    env = {**env, **(hooks or {})}
+    if nproc == 1:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    else:
+        args = [
+            "launch",
+            "--nproc-per-node",
+            str(nproc),
+            "--devices-per-proc",
+            str(devices),
+            "--grace-s",
+            "20",
+            "--",
+            *args,
+        ]
+    out = subprocess.run(
+        [sys.executable, "-m", "jdp.cli", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
+    if check:
+        assert out.returncode == 0, out.stderr[-4000:]
+    return out
+
+
+def losses(run_dir):
+    return {r["step"]: r["loss"] for r in read_metrics(Path(run_dir) / "metrics.jsonl") if "loss" in r}
+
+
+def summary(run_dir):
+    return json.loads((Path(run_dir) / "summary.json").read_text())
+
+
+def ckpt_steps(run_dir):
+    return sorted(int(p.name) for p in (Path(run_dir) / "checkpoints").iterdir() if p.name.isdigit())
+
+
+@pytest.fixture(scope="module")
+def reference_1x4(env, tmp_path_factory):
+    """An uninterrupted 12-step run on 1 process x 4 devices, checkpointing every 4 steps."""
+    ref = tmp_path_factory.mktemp("reference-1x4")
+    run(ref, env, (1, 4), ["train.steps=12", "train.ckpt_every=4"])
+    return ref
+
+
+@pytest.mark.parametrize(
+    "layout, kills",
+    [((1, 4), ["10", "8:save"]), ((2, 2), ["8:save"])],
+    ids=["1x4", "2x2"],
+)
+def test_sigkill_then_resume_is_bit_identical(tmp_path, env, layout, kills, request):
+    if layout == (1, 4):
+        ref = request.getfixturevalue("reference_1x4")
+    else:
+        ref = tmp_path / "reference"
+        run(ref, env, layout, ["train.steps=12", "train.ckpt_every=4"])
+    for kill in kills:
+        d = tmp_path / f"killed-{kill.replace(':', '-')}"
+        out = run(d, env, layout, ["train.steps=12", "train.ckpt_every=4"], hooks={"JDP_TEST_KILL": kill}, check=False)
+        assert out.returncode != 0
+        killed_at = int(kill.split(":")[0])
+        steps = ckpt_steps(d)  # the complete ones: an asynchronous save still in flight at the kill is not there
+        assert all(s <= killed_at for s in steps)
+        if kill.endswith(":save"):
+            assert killed_at not in steps  # killed while writing it: never visible as a checkpoint (atomic)
+        resumed = run(d, env, layout, ["train.steps=12", "train.ckpt_every=4"])
+        start = steps[-1] if steps else 0
+        assert (f"resuming from the checkpoint at step {start}" if steps else "starting at step 0") in resumed.stdout
+        assert summary(d)["params_sha256"] == summary(ref)["params_sha256"]  # bit-identical parameters
+        assert losses(d) == losses(ref)  # every step's loss, exactly (the steps after `start` were redone)
+        superseded = read_metrics(d / "metrics.superseded.jsonl")
+        assert superseded and all(r["step"] > start for r in superseded)  # the lost work, kept aside
+
+
+def test_sigterm_saves_at_an_agreed_step_exits_zero_and_resumes_exactly(tmp_path, env, reference_1x4):
+    ref = reference_1x4
+    d = tmp_path / "preempted"
+    # SIGTERM arrives while the asynchronous save of step 4 is being written.
+    out = run(d, env, (1, 4), ["train.steps=12", "train.ckpt_every=4"], hooks={"JDP_TEST_TERM": "4:save"})
+    assert "stopped by a signal after step" in out.stdout
+    stopped = summary(d)
+    assert stopped["preempted"] and stopped["steps"] in ckpt_steps(d)
+    run(d, env, (1, 4), ["train.steps=12", "train.ckpt_every=4"])
+    assert summary(d)["params_sha256"] == summary(ref)["params_sha256"]
+    assert losses(d) == losses(ref)
+
+
+def test_sigterm_to_any_process_stops_every_process_at_one_step(tmp_path, env):
+    d = tmp_path / "mp"
+    args = [sys.executable, "-m", "jdp.cli", "launch", "--nproc-per-node", "2", "--", "train", "configs/tiny.yaml"]
+    args += [*SMALL, "train.steps=100000", "train.ckpt_every=0", f"train.run_dir={d}"]
+    launcher = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        import psutil
+
+        deadline = time.monotonic() + 180
+        while not ((d / "metrics.jsonl").exists() and len(losses(d)) >= 3):
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[1][-3000:]
+            time.sleep(0.3)
+        rank1 = next(
+            p for p in psutil.Process(launcher.pid).children(recursive=True) if p.environ().get("JAX_PROCESS_ID") == "1"
+        )
+        rank1.send_signal(signal.SIGTERM)  # a preemption notice to one worker only
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, err[-3000:]
+    stopped = summary(d)
+    assert stopped["preempted"] and ckpt_steps(d) == [stopped["steps"]]
+    assert max(losses(d)) == stopped["steps"]
+
+
+def test_restore_on_other_device_and_process_counts(tmp_path, env, reference_1x4):
+    ref = reference_1x4
+    for layout in [(2, 1)]:  # another process count and another device count at once
+        d = tmp_path / f"from-1x4-to-{layout[0]}x{layout[1]}"
+        # Preempted right after its checkpoint at step 4 (so that checkpoint is complete), on 1 process x 4 devices.
+        run(d, env, (1, 4), ["train.steps=12", "train.ckpt_every=4"], hooks={"JDP_TEST_TERM": "4:save"})
+        assert ckpt_steps(d) == [4]
+        out = run(d, env, layout, ["train.steps=12", "train.ckpt_every=4"])
+        assert "resuming from the checkpoint at step 4" in out.stdout
+        a, b = losses(ref), losses(d)
+        assert a.keys() == b.keys()
+        for step in a:  # the same data order; the same numbers up to the reduction order of other devices
+            assert abs(a[step] - b[step]) <= 1e-5 * a[step], (layout, step, a[step], b[step])
+
+
+def test_stalled_worker_makes_the_job_exit_within_the_watchdog_timeout(tmp_path, env):
+    start = time.monotonic()
+    hooks = {"JDP_TEST_STALL": "5:1"}  # process 1 stops before its step 5
+    out = run(tmp_path / "stall", env, (2, 1), ["train.steps=50", "train.step_timeout_s=10"], hooks=hooks, check=False)
+    assert out.returncode != 0
+    assert time.monotonic() - start < 150
+    assert "no step finished for 10 s" in out.stderr and "processes behind the others: [1]" in out.stderr, out.stderr[
+        -3000:
+    ]
+
+
+# ---------------------------------------------------------------------------- in-process (4 simulated devices)
+
+
+@pytest.fixture
+def small(tmp_path, env, monkeypatch):
+    monkeypatch.setenv("JDP_CACHE", env["JDP_CACHE"])
+
+    def cfg(*extra):
+        return load_config("tiny", [*SMALL, f"train.run_dir={tmp_path / 'run'}", *extra])
+
+    return cfg
+
+
+def test_injected_nan_is_skipped_and_too_many_stop_the_run(small, tmp_path, monkeypatch):
+    monkeypatch.setenv("JDP_TEST_NAN_STEPS", "3")
+    result = train(small("train.steps=5", "train.check_replicas_every=1", "train.ckpt_every=0"))
+    records = {r["step"]: r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r}
+    assert records[3]["skipped_steps"] == 1 and records[5]["skipped_total"] == 1
+    assert records[3]["loss"] != records[3]["loss"]  # NaN reported, not hidden
+    assert all(records[s]["loss"] == records[s]["loss"] for s in (1, 2, 4, 5))  # and never reached the parameters
+    assert result["loss"] < records[1]["loss"]
+
+    monkeypatch.setenv("JDP_TEST_NAN_STEPS", "4,5,6,7")
+    with pytest.raises(RunError, match="non-finite steps in a row") as info:
+        train(
+            small(
+                "train.steps=10",
+                "train.max_bad_steps=2",
+                "train.ckpt_every=2",
+                "train.run_dir=" + str(tmp_path / "bad"),
+            )
+        )
+    # Step 4's update was skipped, so its checkpoint holds step 3's finite parameters; nothing is saved after
+    # the run stops, and the last checkpoint resumes into finite training.
+    assert "newest checkpoint is step 4" in str(info.value)
+    assert ckpt_steps(tmp_path / "bad") == [2, 4]
+    monkeypatch.delenv("JDP_TEST_NAN_STEPS")
+    resumed = train(
+        small("train.steps=6", "train.max_bad_steps=2", "train.ckpt_every=2", f"train.run_dir={tmp_path / 'bad'}")
+    )
+    assert resumed["loss"] == resumed["loss"] and resumed["skipped_total"] == 0
+
+
+def test_injected_replica_divergence_is_detected(small, monkeypatch):
+    monkeypatch.setenv("JDP_TEST_DIVERGE", "4")
+    with pytest.raises(RunError, match="replicas diverged at step 4") as info:
+        train(small("train.steps=8", "train.check_replicas_every=2"))
+    assert "TFRT_CPU_3" in str(info.value) or "id=3" in str(info.value) or "cpu:3" in str(info.value)
+
+
+def test_truncated_latest_checkpoint_falls_back_to_the_previous_one(small, tmp_path, capsys):
+    train(small("train.steps=8", "train.ckpt_every=4"))
+    assert ckpt_steps(tmp_path / "run") == [4, 8]
+    data = [
+        p
+        for p in (tmp_path / "run" / "checkpoints" / "8" / "state").rglob("*")
+        if p.is_file() and p.stat().st_size > 100
+    ]
+    for p in data:
+        p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])  # truncate every data file of the newest one
+    capsys.readouterr()
+    result = train(small("train.steps=10", "train.ckpt_every=4"))
+    captured = capsys.readouterr()
+    assert "checkpoints/8 cannot be restored" in captured.err and "falling back" in captured.err
+    assert "resuming from the checkpoint at step 4" in captured.out
+    assert result["preempted"] is False and 10 in ckpt_steps(tmp_path / "run")
+
+
+def test_resume_refuses_model_or_optimizer_changes_and_allows_step_changes(small, tmp_path, capsys):
+    train(small("train.steps=4", "train.ckpt_every=2"))
+    with pytest.raises(ConfigError) as info:
+        train(small("train.steps=6", "optim.lr=0.5", "model.mlp_ratio=2"))
+    assert "optim.lr: 0.002 -> 0.5" in str(info.value) and "model.mlp_ratio: 4 -> 2" in str(info.value)
+    result = train(small("train.steps=6", "train.log_every=2"))  # only the step count and logging change
+    assert result["loss"] and "resuming from the checkpoint at step 4" in capsys.readouterr().out
+
+
+def test_resume_false_archives_the_old_run_and_starts_over(small, tmp_path, capsys):
+    train(small("train.steps=3", "train.ckpt_every=0"))
+    train(small("train.steps=3", "train.resume=false"))
+    out = capsys.readouterr().out
+    assert "starting at step 0" in out.split("resume=false")[-1]
+    archived = [p for p in (tmp_path / "run").iterdir() if p.name.startswith("archived-")]
+    assert (
+        len(archived) == 1 and (archived[0] / "checkpoints" / "3").is_dir() and (archived[0] / "metrics.jsonl").exists()
+    )
