@@ -253,3 +253,15 @@ def test_resume_false_archives_the_old_run_and_starts_over(small, tmp_path, caps
     assert (
         len(archived) == 1 and (archived[0] / "checkpoints" / "3").is_dir() and (archived[0] / "metrics.jsonl").exists()
     )
+
+
+def test_an_error_in_a_background_save_ends_the_run_with_its_message(small, monkeypatch):
+    import orbax.checkpoint as ocp
+
+    def failing_wait(self):
+        raise OSError("disk full (injected)")  # what an asynchronous save's failure looks like when it surfaces
+
+    monkeypatch.setattr(ocp.CheckpointManager, "wait_until_finished", failing_wait)
+    with pytest.raises(RunError, match="disk full") as info:
+        train(small("train.steps=2", "train.ckpt_every=0"))
+    assert "checkpoint" in str(info.value)  # the phase: saving or waiting for a checkpoint
