@@ -56,3 +56,19 @@ def test_loss_returns_weighted_sum_and_weight():
     nll = -np.take_along_axis(np.asarray(logp), np.asarray(targets)[..., None], -1)[..., 0]
     assert float(weight) == 5.0
     assert np.isclose(float(total), (nll * np.asarray(weights)).sum(), rtol=1e-5)
+
+
+def test_gpt2_small_config_is_the_124m_model_and_fits_1_to_8_devices():
+    from jdp.config import load_config, validate
+    from jdp.metrics import flops_per_token
+
+    cfg = load_config("gpt2-small", ["train.run_dir=unused"])
+    abstract = nnx.eval_shape(lambda: GPT(cfg.model, nnx.Rngs(0)))  # no memory is allocated
+    n = count_params(abstract)
+    assert 123e6 < n < 125e6, n  # GPT-2 small: 124M (without projection biases: 123.7M)
+    for devices in (1, 2, 4, 8):
+        d = validate(cfg, devices)
+        assert d.tokens_per_step == 512 * 1024 and d.micro_batch * cfg.train.grad_accum * devices == 512
+    # 6 x matmul parameters (12 layers x 12 D^2, plus the tied V x D output) + causal attention 6 x layers x L x D.
+    matmul = 12 * 12 * 768**2 + 50304 * 768
+    assert flops_per_token(cfg) == 6 * matmul + 6 * 12 * 1024 * 768 == 798_031_872
