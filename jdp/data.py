@@ -92,28 +92,37 @@ def data_files(cfg: DataConfig, source: str) -> list[str] | None:
     return files
 
 
+def resolve_source(cfg: DataConfig) -> str:
+    """data.source, with "stdlib" replaced by the path of the embedded corpus (built on first use)."""
+    return str(build_stdlib_corpus(cache_root(cfg))) if cfg.source == "stdlib" else cfg.source
+
+
+def load_saved(cfg: DataConfig, path: Path):
+    """The data.split of a `save_to_disk` directory (a Dataset, or a DatasetDict holding that split)."""
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:  # datasets cannot load a saved dataset with no rows (IndexError)
+        raise ConfigError(
+            f"data.source={cfg.source}: could not load this save_to_disk directory: "
+            f"{type(e).__name__}: {e} (is the dataset empty?)"
+        ) from e
+    if isinstance(ds, datasets.DatasetDict):
+        if cfg.split not in ds:
+            raise ConfigError(f"data.source={cfg.source}: no split {cfg.split!r}; it has {sorted(ds)} (set data.split)")
+        ds = ds[cfg.split]
+    return ds
+
+
 def load_documents(cfg: DataConfig):
     """A `datasets.Dataset` of documents from cfg.source; errors say what is missing and how to fix it."""
     import datasets
 
-    source = cfg.source
-    if source == "stdlib":
-        source = str(build_stdlib_corpus(cache_root(cfg)))
+    source = resolve_source(cfg)
     path = Path(source).expanduser()
     if _is_saved_dataset(path):
-        try:
-            ds = datasets.load_from_disk(str(path))
-        except Exception as e:  # datasets cannot load a saved dataset with no rows (IndexError)
-            raise ConfigError(
-                f"data.source={cfg.source}: could not load this save_to_disk directory: "
-                f"{type(e).__name__}: {e} (is the dataset empty?)"
-            ) from e
-        if isinstance(ds, datasets.DatasetDict):
-            if cfg.split not in ds:
-                raise ConfigError(
-                    f"data.source={cfg.source}: no split {cfg.split!r}; it has {sorted(ds)} (set data.split)"
-                )
-            ds = ds[cfg.split]
+        ds = load_saved(cfg, path)
     elif (files := data_files(cfg, source)) is not None:
         builder = _BUILDERS[Path(files[0]).suffix.lower()]
         try:

@@ -8,19 +8,17 @@ from pathlib import Path
 import numpy as np
 
 from jdp.config import ConfigError, DataConfig
-from jdp.data import _BUILDERS, _is_saved_dataset, build_stdlib_corpus, cache_root, data_files, windows
+from jdp.data import _BUILDERS, _is_saved_dataset, data_files, load_saved, resolve_source, windows
 
 
 def open_stream(cfg: DataConfig):
     """The whole corpus as an IterableDataset, in file order: local files, a saved dataset or the hub."""
     import datasets
 
-    source = str(build_stdlib_corpus(cache_root(cfg))) if cfg.source == "stdlib" else cfg.source
+    source = resolve_source(cfg)
     path = Path(source).expanduser()
     if _is_saved_dataset(path):
-        ds = datasets.load_from_disk(str(path))
-        if isinstance(ds, datasets.DatasetDict):
-            ds = ds[cfg.split]
+        ds = load_saved(cfg, path)
         ds = ds.to_iterable_dataset(num_shards=max(1, min(len(ds), 64)))
     elif (files := data_files(cfg, source)) is not None:
         ds = datasets.load_dataset(
