@@ -21,6 +21,8 @@ RESUMABLE_CHANGES = {
     "train.ckpt_keep", "train.resume", "train.check_replicas_every", "train.step_timeout_s", "train.max_bad_steps",
     "data.prefetch", "data.num_proc", "data.cache_dir",
     "parallel.init_timeout_s", "parallel.heartbeat_timeout_s",
+    # How gradients travel changes rounding, not the state: a run may resume with another strategy or bucketing.
+    "parallel.strategy", "parallel.bucket_mb", "parallel.reduce_dtype",
 }  # fmt: skip
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -24,6 +25,7 @@ def _train(args: argparse.Namespace) -> int:
     if overrides and "=" not in overrides[0]:
         config = overrides.pop(0)
     cfg = load_config(config, overrides)
+    parallel.set_xla_flags(cfg.parallel.bucket_mb)  # before JAX first touches a device
     try:
         world = parallel.resolve_world(args.coordinator, args.num_processes, args.process_id, args.local_device_ids)
     except parallel.WorldError as e:
@@ -37,6 +39,28 @@ def _train(args: argparse.Namespace) -> int:
             sys.stdout.flush()
             os._exit(1)
         return 1
+    return 0
+
+
+def _allreduce(args: argparse.Namespace) -> int:
+    if args.devices:  # a simulated N-device CPU job, to inspect the N-device program on any machine
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+        ).strip()
+    from jdp import parallel
+    from jdp.config import load_config
+    from jdp.train import all_reduce_report
+
+    config, overrides = DEFAULT_CONFIG, list(args.args)
+    if overrides and "=" not in overrides[0]:
+        config = overrides.pop(0)
+    cfg = load_config(config, overrides)
+    parallel.set_xla_flags(cfg.parallel.bucket_mb)
+    text, numbers = all_reduce_report(cfg)
+    print(text)
+    if args.json:
+        print(json.dumps(numbers))
     return 0
 
 
@@ -69,6 +93,19 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_train)
 
     p = sub.add_parser(
+        "allreduce",
+        help="list the all-reduces of the compiled train step for a config",
+        description="Compile the train step of CONFIG (no data, no training) and print each all-reduce XLA "
+        "kept: bytes, operand, whether it sits in a loop, and which gradients it carries. The gradient "
+        "all-reduces add up to the parameter bytes (half of them with parallel.reduce_dtype=bfloat16).",
+        epilog="example: jdp allreduce configs/gpt2-small.yaml parallel.bucket_mb=25 --devices 8",
+    )
+    p.add_argument("args", nargs="*", metavar="[CONFIG] [section.key=value ...]")
+    p.add_argument("--devices", type=int, help="compile for N simulated CPU devices instead of this machine's")
+    p.add_argument("--json", action="store_true", help="also print the numbers as one JSON line")
+    p.set_defaults(func=_allreduce)
+
+    p = sub.add_parser(
         "launch",
         help="start the workers of this node (torchrun-style)",
         description="Start --nproc-per-node workers on this node, each with its own GPUs (or CPU devices), "
@@ -81,11 +118,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--coordinator", help="HOST:PORT on node 0 (default on one node: 127.0.0.1 and a free port)")
     p.add_argument("--max-restarts", type=int, default=0, help="restart the whole group up to K times")
     p.add_argument("--devices-per-proc", type=int, default=1, help="simulated CPU devices per worker (no GPUs)")
+    p.add_argument(
+        "--no-pin-cpus",
+        dest="pin_cpus",
+        action="store_false",
+        help="CPU-only workers: do not give each worker its own share of this node's cores",
+    )
     p.add_argument("--grace-s", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL when stopping")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the jdp command to run, e.g. -- train CONFIG")
     p.set_defaults(func=_launch)
 
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "args") and not any(x.startswith("-") for x in extra):
+        args.args += extra  # overrides given after an option: jdp allreduce tiny --devices 4 parallel.bucket_mb=1
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except ConfigError as e:

@@ -26,7 +26,7 @@ class ModelConfig:
     mlp_ratio: int = 4
     dtype: str = "float32"  # compute dtype (bfloat16 on GPUs)
     param_dtype: str = "float32"  # parameters and optimizer state stay float32
-    attention: str = "auto"  # jax.nn.dot_product_attention implementation: auto, xla or cudnn
+    attention: str = "auto"  # auto (cuDNN's kernel on GPUs, einsum elsewhere), einsum, xla or cudnn
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,9 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    strategy: str = "ddp"  # ddp: all-reduce, every replica updates; dp: PyTorch DataParallel's master (a baseline)
+    bucket_mb: float = 25.0  # gradient all-reduce bucket size in MiB (DDP's bucket_cap_mb); 0: one bucket
+    reduce_dtype: str = "float32"  # dtype gradients travel in; bfloat16 halves the bytes (DDP's bf16 hook)
     init_timeout_s: int = 300  # how long a process waits for all others to join the job
     heartbeat_timeout_s: int = 100  # a process silent this long is declared dead and the job stops
 
@@ -235,15 +238,27 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Derived:
     for name, v in [("model.dtype", m.dtype), ("model.param_dtype", m.param_dtype)]:
         if v not in DTYPES:
             problems.append(f"{name}={v!r} must be one of {', '.join(DTYPES)}")
-    if m.attention not in ("auto", "xla", "cudnn"):
-        problems.append(f"model.attention={m.attention!r} must be auto, xla or cudnn")
+    if m.attention not in ("auto", "einsum", "xla", "cudnn"):
+        problems.append(f"model.attention={m.attention!r} must be auto, einsum, xla or cudnn")
     if d.seq_len > m.max_seq_len:
         problems.append(
             f"data.seq_len={d.seq_len} is longer than the model supports (model.max_seq_len={m.max_seq_len}); "
             f"lower data.seq_len or raise model.max_seq_len"
         )
-    if cfg.parallel.init_timeout_s <= 0 or cfg.parallel.heartbeat_timeout_s <= 0:
+    par = cfg.parallel
+    if par.init_timeout_s <= 0 or par.heartbeat_timeout_s <= 0:
         problems.append("parallel.init_timeout_s and parallel.heartbeat_timeout_s must be positive")
+    if par.strategy not in ("ddp", "dp"):
+        problems.append(f"parallel.strategy={par.strategy!r} must be ddp or dp")
+    elif par.strategy == "dp" and n_processes > 1:
+        problems.append(
+            f"parallel.strategy=dp is PyTorch DataParallel's single-process master pattern and cannot span "
+            f"{n_processes} processes; use parallel.strategy=ddp"
+        )
+    if not par.bucket_mb >= 0:
+        problems.append(f"parallel.bucket_mb={par.bucket_mb} must be >= 0 (0 puts every gradient in one bucket)")
+    if par.reduce_dtype not in ("float32", "bfloat16"):
+        problems.append(f"parallel.reduce_dtype={par.reduce_dtype!r} must be float32 or bfloat16")
     if min(d.val_tokens, t.eval_every, d.prefetch, t.ckpt_every, t.max_bad_steps, t.check_replicas_every) < 0:
         problems.append(
             "data.val_tokens, data.prefetch, train.eval_every, train.ckpt_every, train.max_bad_steps and "

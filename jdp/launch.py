@@ -46,6 +46,17 @@ def gpu_groups(nproc: int) -> list[str] | None:
     return [",".join(ids[i * k : (i + 1) * k]) for i in range(nproc)]
 
 
+def cpu_groups(nproc: int) -> list[set[int]] | None:
+    """This process's allowed cores split into nproc equal disjoint sets (None if there are too few)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    each = len(cores) // nproc
+    if each == 0:
+        return None
+    return [set(cores[i * each : (i + 1) * each]) for i in range(nproc)]
+
+
 def cpu_flags(devices_each: int) -> str:
     """XLA_FLAGS for a worker that simulates `devices_each` CPU devices (the user's other flags kept)."""
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
@@ -109,6 +120,7 @@ class Launcher:
         a = self.args
         world = a.nnodes * a.nproc_per_node
         gpus = gpu_groups(a.nproc_per_node)
+        cores = cpu_groups(a.nproc_per_node) if gpus is None and a.pin_cpus else None
         self.workers = []
         for local in range(a.nproc_per_node):
             rank = a.node_rank * a.nproc_per_node + local
@@ -120,17 +132,22 @@ class Launcher:
                 LOCAL_RANK=str(local),
                 PYTHONUNBUFFERED="1",
             )
+            pin = None
             if gpus is not None:
                 env["CUDA_VISIBLE_DEVICES"] = gpus[local]
             else:
                 env["XLA_FLAGS"] = cpu_flags(a.devices_per_proc)
                 env.setdefault("JAX_PLATFORMS", "cpu")
+                pin = cores[local] if cores else None
             proc = subprocess.Popen(
                 [sys.executable, "-m", "jdp.cli", *self.command],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,  # its own process group: we can stop it and everything it started
+                # XLA:CPU sizes its thread pool to the cores it may run on: give each worker its own share
+                # (torchrun's OMP_NUM_THREADS=1, done per core set), instead of every worker using every core.
+                preexec_fn=(lambda c=pin: os.sched_setaffinity(0, c)) if pin else None,
             )
             w = Worker(rank, local, proc)
             w.threads = [
@@ -141,6 +158,8 @@ class Launcher:
                 t.start()
             self.workers.append(w)
         where = f"GPUs {gpus}" if gpus else f"{a.devices_per_proc} CPU device(s) each"
+        if cores:
+            where += f", cores {[sorted(c) for c in cores]}"
         self.say(f"started ranks {[w.rank for w in self.workers]} of {world} ({where}), coordinator {coordinator}")
 
     def signal_all(self, sig: int) -> None:

@@ -1,6 +1,6 @@
 """A GPT-style decoder-only transformer in Flax NNX; it never mentions devices or meshes.
 
-Dimension glossary: B batch, L sequence length, D model width, H heads, K head width (D / H),
+Dimension glossary: B batch, L sequence length, N = B * L tokens, D model width, H heads, K head width (D / H),
 F MLP width, V vocabulary, P positions (max_seq_len).
 """
 
@@ -35,25 +35,42 @@ def _norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
     return nnx.LayerNorm(cfg.d_model, epsilon=1e-5, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
 
 
+def causal_attention(q_BxHxLxK: jax.Array, k_BxHxLxK: jax.Array, v_BxHxLxK: jax.Array) -> jax.Array:
+    """softmax(q k^T / sqrt(K) + causal mask) v, written out in heads-major layout.
+
+    On CPUs XLA runs this about 1.5x faster than jax.nn.dot_product_attention's generic path (fewer
+    transposes, an additive mask); on GPUs the fused cuDNN kernel wins, so "auto" picks per platform.
+    """
+    L, K = q_BxHxLxK.shape[-2:]
+    scores_BxHxLxL = jnp.einsum("bhlk,bhmk->bhlm", q_BxHxLxK * (K**-0.5), k_BxHxLxK)
+    mask_LxL = jnp.where(jnp.tril(jnp.ones((L, L), bool)), 0.0, -1e9).astype(scores_BxHxLxL.dtype)
+    probs_BxHxLxL = jax.nn.softmax((scores_BxHxLxL + mask_LxL).astype(jnp.float32), axis=-1)
+    return jnp.einsum("bhlm,bhmk->bhlk", probs_BxHxLxL.astype(v_BxHxLxK.dtype), v_BxHxLxK)
+
+
 class CausalSelfAttention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.n_heads = cfg.n_heads
-        # None lets jax pick cuDNN's fused kernel on GPUs where it applies and XLA elsewhere.
-        self.implementation = None if cfg.attention == "auto" else cfg.attention
+        self.attention = cfg.attention
         residual_std = 0.02 / math.sqrt(2 * cfg.n_layers)  # GPT-2: scale the residual projections
         self.qkv = _linear(cfg, cfg.d_model, 3 * cfg.d_model, 0.02, rngs)
         self.out = _linear(cfg, cfg.d_model, cfg.d_model, residual_std, rngs)
 
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-        B, L, D = x_BxLxD.shape
-        qkv_BxLx3D = self.qkv(x_BxLxD)
-        q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = (
-            t.reshape(B, L, self.n_heads, D // self.n_heads) for t in jnp.split(qkv_BxLx3D, 3, axis=-1)
-        )
-        y_BxLxHxK = jax.nn.dot_product_attention(
-            q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True, implementation=self.implementation
-        )
-        return self.out(y_BxLxHxK.reshape(B, L, D))
+    def __call__(self, x_NxD: jax.Array, B: int, L: int) -> jax.Array:
+        D = x_NxD.shape[-1]
+        H, K = self.n_heads, D // self.n_heads
+        qkv_Nx3D = self.qkv(x_NxD)
+        kind = self.attention
+        if kind == "auto":  # cuDNN's fused kernel where jax can use it, the written-out one elsewhere
+            kind = "dot_product_attention" if jax.default_backend() == "gpu" else "einsum"
+        if kind == "einsum":
+            q, k, v = qkv_Nx3D.reshape(B, L, 3, H, K).transpose(2, 0, 3, 1, 4)  # each BxHxLxK
+            y_BxLxHxK = causal_attention(q, k, v).transpose(0, 2, 1, 3)
+        else:  # jax.nn.dot_product_attention: implementation None (jax picks), "xla" or "cudnn"
+            q, k, v = qkv_Nx3D.reshape(B, L, 3, H, K).transpose(2, 0, 1, 3, 4)  # each BxLxHxK
+            implementation = None if kind == "dot_product_attention" else kind
+            y_BxLxHxK = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+        return self.out(y_BxLxHxK.reshape(B * L, D))
 
 
 class MLP(nnx.Module):
@@ -62,8 +79,8 @@ class MLP(nnx.Module):
         self.up = _linear(cfg, cfg.d_model, d_ff, 0.02, rngs)
         self.down = _linear(cfg, d_ff, cfg.d_model, 0.02 / math.sqrt(2 * cfg.n_layers), rngs)
 
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-        return self.down(jax.nn.gelu(self.up(x_BxLxD)))
+    def __call__(self, x_NxD: jax.Array) -> jax.Array:
+        return self.down(jax.nn.gelu(self.up(x_NxD)))
 
 
 class Block(nnx.Module):
@@ -75,9 +92,9 @@ class Block(nnx.Module):
         self.norm2 = _norm(cfg, rngs)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-        x_BxLxD = x_BxLxD + self.attn(self.norm1(x_BxLxD))
-        return x_BxLxD + self.mlp(self.norm2(x_BxLxD))
+    def __call__(self, x_NxD: jax.Array, B: int, L: int) -> jax.Array:
+        x_NxD = x_NxD + self.attn(self.norm1(x_NxD), B, L)
+        return x_NxD + self.mlp(self.norm2(x_NxD))
 
 
 class GPT(nnx.Module):
@@ -101,12 +118,15 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
         """Logits (float32) for the next token at every position."""
-        L = tokens_BxL.shape[1]
+        B, L = tokens_BxL.shape
         x_BxLxD = self.embed(tokens_BxL) + self.pos_embed[:L].astype(self.cfg.dtype)
+        # Between attentions the tokens are one flat axis, so every projection is a plain 2-D matrix multiply
+        # (XLA on CPU runs the 3-D weight-gradient contractions at half the speed).
+        x_NxD = x_BxLxD.reshape(B * L, -1)
         for block in self.blocks:
-            x_BxLxD = block(x_BxLxD)
-        logits_BxLxV = self.embed.attend(self.norm(x_BxLxD))
-        return logits_BxLxV.astype(jnp.float32)
+            x_NxD = block(x_NxD, B, L)
+        logits_NxV = self.embed.attend(self.norm(x_NxD))
+        return logits_NxV.reshape(B, L, -1).astype(jnp.float32)
 
 
 def lm_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:

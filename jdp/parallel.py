@@ -195,6 +195,52 @@ def initialize(world: World, init_timeout_s: int = 300, heartbeat_timeout_s: int
     joined.set()
 
 
+def collective_flags(bucket_mb: float) -> dict[str, str]:
+    """The XLA options jdp wants for its gradient all-reduces (see set_xla_flags)."""
+    threshold = int(bucket_mb * 2**20) if bucket_mb > 0 else 2**40
+    return {
+        # GPUs: collectives already run asynchronously by default in this XLA; the latency-hiding scheduler
+        # moves each bucket's all-reduce-start as early as its gradients exist, so it overlaps the rest of
+        # backward, and a dedicated high-priority stream keeps it from queueing behind compute kernels.
+        "xla_gpu_enable_latency_hiding_scheduler": "true",
+        "xla_gpu_enable_highest_priority_async_stream": "true",
+        # XLA merges neighbouring all-reduces up to this size: the bucket size, so it keeps jdp's buckets.
+        "xla_gpu_all_reduce_combine_threshold_bytes": str(threshold),
+        # CPU: XLA would merge every all-reduce of the step into one; keep the buckets as planned.
+        "xla_disable_hlo_passes": "cpu-all-reduce-combiner",
+    }
+
+
+def cpu_speed_flags() -> dict[str, str]:
+    """XLA:CPU options measured faster for jdp's steps (README, Performance); only for the versions measured.
+
+    An XLA_FLAGS entry this XLA does not know aborts the process, so experimental flags are version-gated.
+    """
+    import jaxlib
+
+    if not jaxlib.__version__.startswith("0.10."):
+        return {}
+    # jaxlib 0.10 hands matrix multiplies to YNNPACK, which ran jdp's tiny step about 8% slower than XLA's own
+    # Eigen dots (and materialises the broadcasts it cannot fuse): keep XLA's.
+    return {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def set_xla_flags(bucket_mb: float = 25.0, environ: dict | None = None) -> list[str]:
+    """Add jdp's collective (and CPU speed) options to XLA_FLAGS where the user has not set them; returns the ones added.
+
+    XLA reads XLA_FLAGS once, when JAX first touches a device: call this before that (`jdp train` does).
+    A flag already in XLA_FLAGS is left exactly as the user set it.
+    """
+    environ = os.environ if environ is None else environ
+    current = environ.get("XLA_FLAGS", "")
+    present = set(re.findall(r"--([\w]+)", current))
+    wanted = {**collective_flags(bucket_mb), **cpu_speed_flags()}
+    added = [f"--{k}={v}" for k, v in wanted.items() if k not in present]
+    if added:
+        environ["XLA_FLAGS"] = " ".join([current, *added]).strip()
+    return added
+
+
 def make_mesh(devices: list | None = None) -> jax.sharding.Mesh:
     """A 1-D mesh with axis `data` over every device of every process (or the devices given)."""
     devices = jax.devices() if devices is None else list(devices)
@@ -271,6 +317,11 @@ def _local_sums(graphdef, loss_fn: LossFn, grad_accum: int):
         # Differentiating the replicated value itself would make shard_map's autodiff insert a psum,
         # silently giving the *sum* over devices: the classic N-times-too-large gradient.
         params = _varying(params)
+        if grad_accum == 1:
+            # No loop: the gradients leave backward one layer at a time, so each bucket's all-reduce can start
+            # while earlier layers are still being differentiated.
+            (loss, weight), grads = grad_fn(params, rest, batch)
+            return grads, loss, weight
         micro = jax.tree.map(lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
 
         def one(carry, mb):
@@ -290,23 +341,151 @@ def _local_sums(graphdef, loss_fn: LossFn, grad_accum: int):
     return sums
 
 
-def _global_grads(graphdef, loss_fn: LossFn, n_devices: int, grad_accum: int):
+# ---- Gradient buckets: DDP's bucket_cap_mb, in the order backward finishes the gradients ----
+
+
+def gradient_order(loss_of: Callable, params, *args) -> list[int]:
+    """Indices of `params`' leaves in the order backward finishes their gradients.
+
+    A parameter's gradient is complete once backward has passed its *first* use in the forward pass, so the
+    order is the reverse of first use, read off the traced forward program (for a transformer: the last
+    layer first; a tied embedding, used first and last, comes last). Works for any model and loss.
+    """
+    leaves = jax.tree.leaves(params)
+    closed = jax.make_jaxpr(loss_of)(params, *args)
+    first: dict[int, tuple] = {}
+
+    def walk(jaxpr, env: dict, where: tuple) -> None:
+        for i, eqn in enumerate(jaxpr.eqns):
+            for v in eqn.invars:
+                try:
+                    leaf = env.get(v)
+                except TypeError:  # an unhashable literal
+                    continue
+                if leaf is not None:
+                    first.setdefault(leaf, (*where, i))
+            for sub in eqn.params.values():  # calls into nested programs (jit, custom_vjp, remat, ...)
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns") and len(inner.invars) == len(eqn.invars):
+                    inner_env = {}
+                    for outer_v, inner_v in zip(eqn.invars, inner.invars, strict=True):
+                        try:
+                            if outer_v in env:
+                                inner_env[inner_v] = env[outer_v]
+                        except TypeError:
+                            continue
+                    walk(inner, inner_env, (*where, i))
+
+    walk(closed.jaxpr, {v: k for k, v in enumerate(closed.jaxpr.invars[: len(leaves)])}, ())
+    # Unused parameters have a zero gradient at once: they go first.
+    return sorted(range(len(leaves)), key=lambda k: first.get(k, (math.inf,)), reverse=True)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    leaves: tuple[int, ...]  # indices into jax.tree.leaves(params), in backward-completion order
+    names: tuple[str, ...]
+    elements: int
+    nbytes: int  # as communicated, in the reduce dtype
+
+
+def plan_buckets(params, order: list[int], bucket_mb: float, reduce_dtype: str = "float32") -> list[Bucket]:
+    """Group the gradients, in `order`, into buckets of at most bucket_mb MiB (DDP's rule: a gradient
+    larger than the cap gets a bucket of its own; bucket_mb=0 puts them all in one)."""
+    flat = jax.tree_util.tree_leaves_with_path(params)
+    item = jnp.dtype(reduce_dtype).itemsize
+    cap = bucket_mb * 2**20 if bucket_mb > 0 else math.inf
+    buckets, current = [], []
+
+    def close():
+        if current:
+            n = sum(math.prod(flat[k][1].shape) for k in current)
+            names = tuple(
+                jax.tree_util.keystr(flat[k][0], simple=True, separator=".").removesuffix(".value") for k in current
+            )
+            buckets.append(Bucket(tuple(current), names, n, n * item))
+            current.clear()
+
+    size = 0
+    for k in order:
+        nbytes = math.prod(flat[k][1].shape) * item
+        if current and size + nbytes > cap:
+            close()
+            size = 0
+        current.append(k)
+        size += nbytes
+    close()
+    return buckets
+
+
+def _reduce_buckets(grads, buckets: list[Bucket], reduce_dtype: str):
+    """pmean of the gradients over `data`: one all-reduce per bucket, each bucket one flat buffer (as DDP)."""
+    leaves, tree = jax.tree.flatten(grads)
+    out = list(leaves)
+    for bucket in buckets:
+        flat = jnp.concatenate([leaves[k].astype(reduce_dtype).ravel() for k in bucket.leaves])
+        flat = jax.lax.pmean(flat, AXIS)
+        offset = 0
+        for k in bucket.leaves:
+            size = leaves[k].size
+            out[k] = flat[offset : offset + size].reshape(leaves[k].shape).astype(leaves[k].dtype)
+            offset += size
+    return jax.tree.unflatten(tree, out)
+
+
+def _spec(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def bucket_plan(
+    graphdef, loss_fn: LossFn, params, rest, micro_batch, bucket_mb: float, reduce_dtype: str
+) -> list[Bucket]:
+    """The gradient buckets of a step: `micro_batch` is one device's micro-batch (arrays or shapes)."""
+
+    def loss_of(params, rest, micro):
+        return loss_fn(nnx.merge(graphdef, params, rest), micro)
+
+    order = gradient_order(loss_of, _spec(params), _spec(rest), _spec(micro_batch))
+    return plan_buckets(params, order, bucket_mb, reduce_dtype)
+
+
+def _global_grads(graphdef, loss_fn: LossFn, n_devices: int, grad_accum: int, bucket_mb: float, reduce_dtype: str):
     """Per-device function: (params, rest, local rows) -> (gradient of the global mean loss, loss, weight)."""
     local_sums = _local_sums(graphdef, loss_fn, grad_accum)
 
     def grads_of(params, rest, batch):
         grads_sum, loss_sum, weight_sum = local_sums(params, rest, batch)
-        weight = jax.lax.psum(weight_sum, AXIS)
-        loss = jax.lax.psum(loss_sum, AXIS) / weight
-        # The one gradient all-reduce of the step. Each device holds the gradient of the *sum* of the
-        # losses on its own rows; pmean gives sum_over_devices / n, so multiplying by n / (global token
-        # weight) yields exactly the gradient of the global token-weighted mean loss, the same as one
+        micro = {k: jax.ShapeDtypeStruct((v.shape[0] // grad_accum, *v.shape[1:]), v.dtype) for k, v in batch.items()}
+        buckets = bucket_plan(graphdef, loss_fn, params, rest, micro, bucket_mb, reduce_dtype)
+        # Loss and token count travel together in one small all-reduce.
+        loss_total, weight = jax.lax.psum(jnp.stack([loss_sum, weight_sum]), AXIS)
+        loss = loss_total / weight
+        # The gradient all-reduces of the step, one per bucket. Each device holds the gradient of the *sum*
+        # of the losses on its own rows; pmean gives sum_over_devices / n, so multiplying by n / (global
+        # token weight) yields exactly the gradient of the global token-weighted mean loss, the same as one
         # device computing the whole batch, whatever the device count or the spread of padding.
         scale = jnp.where(weight > 0, n_devices / weight, 0.0)
-        grads = jax.tree.map(lambda g: g * scale, jax.lax.pmean(grads_sum, AXIS))
+        grads = jax.tree.map(lambda g: g * scale, _reduce_buckets(grads_sum, buckets, reduce_dtype))
         return grads, loss, weight
 
     return grads_of
+
+
+def _update(optimizer, schedule, state: TrainState, grads, loss, weight):
+    """The optimizer step on (globally averaged) gradients: new state and metrics. Shared by ddp and dp."""
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    # A non-finite loss, gradient or result skips the update. These values come after the all-reduce,
+    # so every replica takes the same decision; the batch still counts as consumed (state.step advances).
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(params))
+    params, opt_state = jax.tree.map(
+        lambda new, old: jnp.where(ok, new, old), (params, opt_state), (state.params, state.opt_state)
+    )
+    metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": weight, "skipped": 1 - ok.astype(jnp.int32)}
+    if schedule is not None:
+        metrics["lr"] = jnp.asarray(schedule(state.step), jnp.float32)
+    return TrainState(state.step + 1, params, opt_state, state.rest), metrics
 
 
 def make_train_step(
@@ -316,34 +495,94 @@ def make_train_step(
     mesh: jax.sharding.Mesh,
     grad_accum: int = 1,
     schedule: optax.Schedule | None = None,
+    *,
+    strategy: str = "ddp",
+    bucket_mb: float = 25.0,
+    reduce_dtype: str = "float32",
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
-    """The data-parallel step: (state, global batch) -> (new state, metrics), jitted, state donated."""
-    grads_of = _global_grads(graphdef, loss_fn, mesh.devices.size, grad_accum)
+    """The data-parallel step: (state, global batch) -> (new state, metrics), state donated.
+
+    strategy="ddp" (jdp's design): every device computes its gradients, they are averaged by all-reduces
+    of about bucket_mb MiB, and every replica applies the identical update. strategy="dp" is PyTorch
+    DataParallel's master pattern, kept as the baseline to measure against (see make_dp_train_step).
+    """
+    if strategy == "dp":
+        return make_dp_train_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule)
+    if strategy != "ddp":
+        raise ValueError(f"strategy={strategy!r} must be ddp or dp")
+    grads_of = _global_grads(graphdef, loss_fn, mesh.devices.size, grad_accum, bucket_mb, reduce_dtype)
 
     def step(state: TrainState, batch: Batch):
         grads, loss, weight = grads_of(state.params, state.rest, batch)
-        grad_norm = optax.tree.norm(grads)
         # Every replica applies the identical update to identical parameters: they stay bit-identical.
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        # A non-finite loss, gradient or result skips the update. These values come after the all-reduce,
-        # so every replica takes the same decision; the batch still counts as consumed (state.step advances).
-        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(params))
-        params, opt_state = jax.tree.map(
-            lambda new, old: jnp.where(ok, new, old), (params, opt_state), (state.params, state.opt_state)
-        )
-        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": weight, "skipped": 1 - ok.astype(jnp.int32)}
-        if schedule is not None:
-            metrics["lr"] = jnp.asarray(schedule(state.step), jnp.float32)
-        return TrainState(state.step + 1, params, opt_state, state.rest), metrics
+        return _update(optimizer, schedule, state, grads, loss, weight)
 
     sharded = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(), P()))
     return jax.jit(sharded, donate_argnums=0)
 
 
-def make_grad_fn(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh, grad_accum: int = 1):
+def master_device(mesh: jax.sharding.Mesh):
+    return mesh.devices.flat[0]
+
+
+def make_dp_train_step(
+    graphdef,
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    mesh: jax.sharding.Mesh,
+    grad_accum: int = 1,
+    schedule: optax.Schedule | None = None,
+):
+    """PyTorch DataParallel's design, which jdp exists to avoid, as a measurable baseline.
+
+    Each device computes the gradient of its rows; all of them are gathered onto the master (the mesh's
+    first device), which sums them and computes the update alone; the new parameters are then broadcast
+    to every device. The optimizer state lives on the master only (place it with for_strategy). One
+    process only: DataParallel is single-process.
+    """
+    local_sums = _local_sums(graphdef, loss_fn, grad_accum)
+    master = jax.sharding.SingleDeviceSharding(master_device(mesh))
+
+    def per_device(params, rest, batch):
+        grads, loss, weight = local_sums(params, rest, batch)
+        return jax.tree.map(lambda x: x[None], (grads, loss, weight))  # stacked along `data`, not reduced
+
+    local = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P(AXIS)), out_specs=P(AXIS)))
+
+    def update(state: TrainState, stacked):
+        grads, loss, weight = jax.tree.map(lambda x: jnp.sum(x, axis=0), stacked)  # the master sums them
+        scale = jnp.where(weight > 0, 1.0 / weight, 0.0)
+        return _update(optimizer, schedule, state, jax.tree.map(lambda g: g * scale, grads), loss / weight, weight)
+
+    update = jax.jit(update, donate_argnums=0)
+
+    def step(state: TrainState, batch: Batch):
+        stacked = local(state.params, state.rest, batch)
+        gathered = jax.device_put(stacked, master)  # every device's gradients copied to the master
+        step_, params, rest = jax.device_put((state.step, state.params, state.rest), master)  # its own replica
+        new, metrics = update(TrainState(step_, params, state.opt_state, rest), gathered)
+        # Broadcast: the new parameters (and step) go from the master to every device.
+        params, step_, rest = jax.device_put((new.params, new.step, new.rest), replicated(mesh))
+        return TrainState(step_, params, new.opt_state, rest), metrics
+
+    return step
+
+
+def for_strategy(state: TrainState, strategy: str, mesh: jax.sharding.Mesh) -> TrainState:
+    """dp keeps the optimizer state on the master device only; ddp keeps a replica of everything."""
+    if strategy != "dp":
+        return state
+    return dataclasses.replace(
+        state, opt_state=jax.device_put(state.opt_state, jax.sharding.SingleDeviceSharding(master_device(mesh)))
+    )
+
+
+def make_grad_fn(
+    graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh, grad_accum: int = 1, bucket_mb: float = 25.0,
+    reduce_dtype: str = "float32",
+):  # fmt: skip
     """(state, global batch) -> (averaged gradients, loss, token weight): the train step without the update."""
-    grads_of = _global_grads(graphdef, loss_fn, mesh.devices.size, grad_accum)
+    grads_of = _global_grads(graphdef, loss_fn, mesh.devices.size, grad_accum, bucket_mb, reduce_dtype)
     sharded = jax.shard_map(
         lambda state, batch: grads_of(state.params, state.rest, batch),
         mesh=mesh,
@@ -356,11 +595,12 @@ def make_grad_fn(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh, grad_accum:
 def make_eval_step(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh):
     """(state, global batch) -> (loss sum, weight sum) over the whole global batch; no update."""
 
-    def step(state: TrainState, batch: Batch):
-        loss, weight = loss_fn(nnx.merge(graphdef, state.params, state.rest), batch)
+    def step(params, rest, batch: Batch):
+        loss, weight = loss_fn(nnx.merge(graphdef, params, rest), batch)
         return jax.lax.psum(loss, AXIS), jax.lax.psum(weight, AXIS)
 
-    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(), P())))
+    jitted = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P(AXIS)), out_specs=(P(), P())))
+    return lambda state, batch: jitted(state.params, state.rest, batch)  # the optimizer state is not needed
 
 
 def make_replica_digest(mesh: jax.sharding.Mesh):

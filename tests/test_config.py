@@ -382,3 +382,17 @@ def test_valid_keys_cover_every_field():
         for f in dataclasses.fields(cls):
             assert f"{section}.{f.name}" in keys
             assert f.type in jc._TYPES, f"{section}.{f.name} has a type the override parser does not know"
+
+
+def test_validate_parallel_options():
+    with pytest.raises(ConfigError, match="single-process master pattern"):
+        validate(_with(parallel={"strategy": "dp"}), n_devices=4, n_processes=2)
+    validate(_with(parallel={"strategy": "dp"}), n_devices=4, n_processes=1)
+    with pytest.raises(ConfigError, match="must be ddp or dp"):
+        validate(_with(parallel={"strategy": "fsdp"}), n_devices=1)
+    with pytest.raises(ConfigError, match="bucket_mb=-1.0 must be >= 0"):
+        validate(_with(parallel={"bucket_mb": -1.0}), n_devices=1)
+    with pytest.raises(ConfigError, match="reduce_dtype='float16' must be float32 or bfloat16"):
+        validate(_with(parallel={"reduce_dtype": "float16"}), n_devices=1)
+    cfg = load_config(None, ["parallel.bucket_mb=0.5", "parallel.reduce_dtype=bfloat16"])
+    assert cfg.parallel.bucket_mb == 0.5 and cfg.parallel.reduce_dtype == "bfloat16"

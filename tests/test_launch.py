@@ -167,3 +167,13 @@ def test_launch_refuses_bad_options(env):
     env_gpus = {**env, "CUDA_VISIBLE_DEVICES": "0,1,2"}
     out = jdp(["launch", "--nproc-per-node", "2", "--", "train"], env_gpus, timeout=60)
     assert out.returncode == 2 and "3 GPUs do not split evenly" in out.stderr
+
+
+def test_cpu_workers_get_disjoint_core_sets():
+    from jdp.launch import cpu_groups
+
+    cores = sorted(os.sched_getaffinity(0))
+    groups = cpu_groups(len(cores))
+    assert groups is not None and len(groups) == len(cores)
+    assert set().union(*groups) == set(cores) and all(len(g) == 1 for g in groups)
+    assert cpu_groups(len(cores) + 1) is None  # fewer cores than workers: no pinning

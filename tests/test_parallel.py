@@ -41,6 +41,21 @@ def rel_diff(a, b) -> float:
     return worst
 
 
+def params_close(a, b, rtol=1e-5, atol=1e-6) -> float:
+    """Largest elementwise excess of |a - b| over rtol * |a| + atol (<= 0: close).
+
+    atol is 0.1% of one AdamW step (lr 1e-3): Adam turns a gradient that happens to be near zero (4 orders
+    of magnitude below its neighbours) into a step whose size follows the rounding of that gradient, and
+    1 and N devices sum in different orders. A data-parallel bug (wrong rows, wrong scale) moves parameters
+    by whole steps.
+    """
+    worst = -np.inf
+    for x, y in zip(jax.tree.leaves(jax.device_get(a)), jax.tree.leaves(jax.device_get(b)), strict=True):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        worst = max(worst, float(np.max(np.abs(x - y) - (rtol * np.abs(x) + atol))))
+    return worst
+
+
 def setup(n_devices, optim="adamw", grad_accum=1):
     mesh = parallel.make_mesh(jax.devices()[:n_devices])
     opt, schedule = make_optimizer(OptimConfig(name=optim, lr=1e-2 if optim == "sgd" else 1e-3, warmup_steps=0), 10)
@@ -101,7 +116,7 @@ def test_training_matches_one_device(optim, uneven_padding):
     for a, b in zip(hist1, hist4, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * abs(a["grad_norm"]), (a, b)
-    assert rel_diff(state1.params, state4.params) <= 1e-5
+    assert params_close(state1.params, state4.params) <= 0
     assert rel_diff(state1.opt_state, state4.opt_state) <= 1e-5
     assert hist4[-1]["loss"] < hist4[0]["loss"]
 
@@ -132,7 +147,7 @@ def test_grad_accum_equals_one_big_batch():
     state1, hist1 = run(4, "adamw", grad_accum=1, uneven_padding=True)
     state2, hist2 = run(4, "adamw", grad_accum=2, uneven_padding=True)
     assert all(abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"] for a, b in zip(hist1, hist2, strict=True))
-    assert rel_diff(state1.params, state2.params) <= 1e-5
+    assert params_close(state1.params, state2.params) <= 0
 
 
 @pytest.mark.parametrize("grad_accum", [1, 2])

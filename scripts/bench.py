@@ -1,0 +1,335 @@
+"""jdp's speed, measured side by side in one run and reported as ratios (README, Performance).
+
+    python scripts/bench.py --out DIR [--config tiny] [--processes 2] [--rounds 3]
+
+Writes DIR/bench.json and prints a table. Every ratio compares two things timed in the same run,
+alternating in rounds, so the machine's background load hits both sides alike:
+
+  jdp_vs_bare       jdp's full training step (its loader, its prefetch thread, the sharded step, the lagged
+                    metrics fetch: what `jdp train` does per step) against a minimal hand-written single-device
+                    jitted step of the same model, optimizer and batch. Tokens/s ratio; ideal 1.0.
+  jdp_vs_torch_ddp  tokens/s of `jdp launch` + `jdp train` against PyTorch DDP (scripts/bench_torch.py)
+                    training the identical GPT with the same global batch and the same number of processes
+                    (gloo on CPU, NCCL on GPUs).
+  ddp_vs_dp         step time of parallel.strategy=dp over that of ddp, at 1, 2, 4 and 8 devices (> 1: DDP is
+                    faster). On a CPU the devices are simulated and share the same cores.
+  loader_vs_step    the loader's tokens/s over the tokens/s one training step consumes.
+  mfu               achieved model FLOP/s over the peak: the measured matmul rate on a CPU, the datasheet on a GPU.
+
+On a GPU machine: python scripts/bench.py --out DIR --config gpt2-small (bf16; torch needs `pip install
+"jdp[bench]"`, which brings torch; the NCCL comparison uses every visible GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def child(mode: str, devices: int, args: list[str], cpu_cores: str | None = None) -> dict:
+    """Run one measurement in a fresh process (XLA reads its device count and flags once per process)."""
+    env = dict(os.environ)
+    if devices:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    cmd = [sys.executable, __file__, "--child", mode, *args]
+    if cpu_cores:
+        cmd = ["taskset", "-c", cpu_cores, *cmd]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+    if out.returncode:
+        raise RuntimeError(f"{mode} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))
+
+
+# ---------------------------------------------------------------- measurements run inside a child process
+
+
+def _setup(config: str, overrides: list[str]):
+    from jdp import parallel
+    from jdp.config import load_config
+
+    cfg = load_config(config, ["train.run_dir=/dev/null", "train.progress=false", *overrides])
+    parallel.set_xla_flags(cfg.parallel.bucket_mb)  # as `jdp train` does, before jax touches a device
+    return cfg
+
+
+def measure_single(config: str, overrides: list[str], rounds: int, steps: int) -> dict:
+    """jdp_vs_bare, loader_vs_step and mfu on one device."""
+    cfg = _setup(config, overrides)
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from jdp import parallel
+    from jdp.data import Prefetcher, load_data
+    from jdp.metrics import flops_per_token, peak_flops
+    from jdp.model import GPT, lm_loss
+    from jdp.optim import make_optimizer
+    from jdp.train import build
+
+    t = cfg.train
+    mesh = parallel.make_mesh(jax.devices()[:1])
+    rows = parallel.process_rows(t.batch_size, mesh)
+    data = load_data(cfg.data, cfg.model.vocab_size, t.batch_size, t.seed, rows)
+    tokens_per_step = t.batch_size * cfg.data.seq_len
+
+    # jdp: exactly the objects and per-step host work of jdp.train's loop.
+    _, state, train_step, _ = build(cfg, mesh)
+    loader = Prefetcher(data.local_batch, 0, 10**9, cfg.data.prefetch)
+    batches = iter(loader)
+    pending = [None]
+
+    def jdp_steps(n: int) -> None:
+        nonlocal state
+        for _ in range(n):
+            _, local = next(batches)
+            state, metrics = train_step(state, parallel.shard_batch(local, mesh, t.batch_size))
+            if pending[0] is not None:
+                jax.device_get(pending[0])  # the loop fetches the previous step's metrics
+            pending[0] = metrics
+        jax.device_get(pending[0])
+        pending[0] = None
+
+    # Bare: the same model, optimizer and batch in the most direct JAX there is.
+    model = GPT(cfg.model, nnx.Rngs(t.seed))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    optimizer, _ = make_optimizer(cfg.optim, t.steps)
+    opt_state = optimizer.init(params)
+
+    def bare_step(params, opt_state, batch):
+        def loss_fn(p):
+            loss, weight = lm_loss(nnx.merge(graphdef, p, rest), batch)
+            return loss / weight
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    bare_step = jax.jit(bare_step, donate_argnums=(0, 1))
+    fixed = {k: jnp.asarray(v) for k, v in data.local_batch(0).items()}
+    bare = [params, opt_state]
+
+    def bare_steps(n: int) -> None:
+        for _ in range(n):
+            bare[0], bare[1], loss = bare_step(bare[0], bare[1], fixed)
+        jax.block_until_ready(loss)
+
+    jdp_steps(2)  # compile and warm up both
+    bare_steps(2)
+    jdp_t, bare_t = [], []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        jdp_steps(steps)
+        jdp_t.append((time.perf_counter() - start) / steps)
+        start = time.perf_counter()
+        bare_steps(steps)
+        bare_t.append((time.perf_counter() - start) / steps)
+    loader.close()
+    jdp_step, bare_step_s = statistics.median(jdp_t), statistics.median(bare_t)
+
+    start, n = time.perf_counter(), 0
+    while time.perf_counter() - start < 2.0:
+        data.local_batch(10_000 + n)
+        n += 1
+    loader_tps = n * tokens_per_step / (time.perf_counter() - start)
+    peak, source = peak_flops(cfg.model.dtype, 1)
+    jdp_tps = tokens_per_step / jdp_step
+    return {
+        "jdp_step_s": jdp_step,
+        "bare_step_s": bare_step_s,
+        "jdp_vs_bare": bare_step_s / jdp_step,
+        "jdp_tokens_per_s": jdp_tps,
+        "loader_tokens_per_s": loader_tps,
+        "loader_vs_step": loader_tps / jdp_tps,
+        "mfu": flops_per_token(cfg) * jdp_tps / peak,
+        "peak_flops": peak,
+        "peak_source": source,
+        "device": jax.devices()[0].device_kind,
+        "rounds": {"jdp_step_s": jdp_t, "bare_step_s": bare_t},
+    }
+
+
+def measure_ddp_dp(config: str, overrides: list[str], rounds: int, steps: int) -> dict:
+    """Step time of ddp and dp on every device of this process, alternating."""
+    cfg = _setup(config, overrides)
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from jdp import parallel
+    from jdp.train import build
+
+    mesh = parallel.make_mesh()
+    t = cfg.train
+    rng = np.random.default_rng(0)
+    shape = (t.batch_size, cfg.data.seq_len)
+    local = {
+        "inputs": rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32),
+        "targets": rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32),
+        "weights": np.ones(shape, np.float32),
+    }
+    batch = parallel.shard_batch(local, mesh, t.batch_size)
+    runs = {}
+    for strategy in ("ddp", "dp"):
+        c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, strategy=strategy))
+        _, state, step, _ = build(c, mesh)
+        state, m = step(state, batch)
+        jax.block_until_ready(m)
+        runs[strategy] = [state, step]
+    times = {"ddp": [], "dp": []}
+    for _ in range(rounds):
+        for strategy, run in runs.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                run[0], m = run[1](run[0], batch)
+            jax.block_until_ready(m)
+            times[strategy].append((time.perf_counter() - start) / steps)
+    ddp, dp = statistics.median(times["ddp"]), statistics.median(times["dp"])
+    return {"devices": mesh.devices.size, "ddp_step_s": ddp, "dp_step_s": dp, "ddp_vs_dp": dp / ddp}
+
+
+# ---------------------------------------------------------------- jdp against PyTorch DDP, both as launched jobs
+
+
+def jdp_launch_tps(config: str, overrides: list[str], processes: int, steps: int, out: Path, gpu: bool) -> float:
+    run_dir = out / "jdp-run"
+    cmd = [sys.executable, "-m", "jdp.cli", "launch", "--nproc-per-node", str(processes), "--", "train", config]
+    cmd += [f"train.run_dir={run_dir}", "train.resume=false", f"train.steps={steps}", "train.progress=false"]
+    cmd += ["train.log_every=5", "train.eval_every=0", "data.val_tokens=0", "train.ckpt_every=0"]
+    cmd += ["train.check_replicas_every=0", *overrides]
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if result.returncode:
+        raise RuntimeError(f"jdp launch failed:\n{result.stderr[-3000:]}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    tps = [r["tokens_per_sec"] for r in records if r.get("tokens_per_sec")]
+    return statistics.median(tps[1:] if len(tps) > 2 else tps)  # past the first interval (warm-up)
+
+
+def torch_ddp_tps(config: str, processes: int, batch: int, steps: int, dtype: str) -> float:
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_torch.py"), "--config", config, "--nproc", str(processes)]
+    cmd += ["--global-batch", str(batch), "--steps", str(steps), "--dtype", dtype]
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    line = next((x for x in result.stdout.splitlines() if x.startswith("BENCH_JSON ")), None)
+    if result.returncode or line is None:
+        raise RuntimeError(f"PyTorch DDP benchmark failed:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
+    return json.loads(line[len("BENCH_JSON ") :])["tokens_per_sec"]
+
+
+# ---------------------------------------------------------------- the report
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="directory for bench.json")
+    ap.add_argument("--config", default="tiny")
+    ap.add_argument("--processes", type=int, default=0, help="processes for jdp vs torch (default: 2 on CPU)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating timing rounds per comparison")
+    ap.add_argument("--steps", type=int, default=5, help="steps per timing round")
+    ap.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8], help="device counts for ddp_vs_dp")
+    ap.add_argument("--skip-torch", action="store_true", help="no PyTorch comparison (torch not installed)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("overrides", nargs="*", help="section.key=value for the config")
+    a = ap.parse_args()
+    if a.child:
+        fn = {"single": measure_single, "ddp_dp": measure_ddp_dp}[a.child]
+        print(json.dumps(fn(a.config, a.overrides, a.rounds, a.steps)))
+        return 0
+    if not a.out:
+        ap.error("--out DIR is required")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = _has_gpu()
+    started = time.time()
+    results: dict = {"config": a.config, "overrides": a.overrides, "platform": "gpu" if gpu else "cpu"}
+
+    print(f"[bench] jdp vs bare JAX, loader, MFU: 1 device, {a.rounds} rounds of {a.steps} steps", flush=True)
+    single = child(
+        "single",
+        0 if gpu else 1,
+        ["--config", a.config, "--rounds", str(a.rounds), "--steps", str(a.steps), *a.overrides],
+    )
+    results.update({k: single[k] for k in ("jdp_vs_bare", "loader_vs_step", "mfu")})
+    results["single_device"] = single
+
+    ddp_dp = {}
+    counts = [n for n in a.devices if not gpu or n <= _gpu_count()]
+    for n in counts:
+        print(f"[bench] ddp vs dp on {n} device(s)", flush=True)
+        args = ["--config", a.config, "--rounds", str(a.rounds), "--steps", str(a.steps), *a.overrides]
+        ddp_dp[str(n)] = child("ddp_dp", 0 if gpu else n, args)
+    results["ddp_vs_dp"] = {n: r["ddp_vs_dp"] for n, r in ddp_dp.items()}
+    results["ddp_vs_dp_detail"] = ddp_dp
+
+    if not a.skip_torch:
+        from jdp.config import load_config
+
+        cfg = load_config(a.config, a.overrides)
+        processes = a.processes or (_gpu_count() if gpu else 2)
+        steps = max(20, 4 * a.steps)
+        jdp_runs, torch_runs = [], []
+        for r in range(max(2, a.rounds - 1)):
+            print(f"[bench] jdp vs PyTorch DDP, {processes} processes, round {r + 1}", flush=True)
+            jdp_runs.append(jdp_launch_tps(a.config, a.overrides, processes, steps, out, gpu))
+            torch_runs.append(torch_ddp_tps(a.config, processes, cfg.train.batch_size, steps, cfg.model.dtype))
+        results["jdp_vs_torch_ddp"] = statistics.median(jdp_runs) / statistics.median(torch_runs)
+        results["torch_ddp"] = {"processes": processes, "jdp_tokens_per_s": jdp_runs, "torch_tokens_per_s": torch_runs}
+    results["wall_s"] = time.time() - started
+    (out / "bench.json").write_text(json.dumps(results, indent=1))
+    print(table(results))
+    print(f"[bench] wrote {out / 'bench.json'} in {results['wall_s']:.0f} s")
+    return 0
+
+
+def table(r: dict) -> str:
+    s = r["single_device"]
+    rows = [
+        ("jdp_vs_bare", f"{r['jdp_vs_bare']:.3f}", f"jdp {s['jdp_step_s'] * 1e3:.0f} ms/step, bare {s['bare_step_s'] * 1e3:.0f} ms/step"),
+        ("loader_vs_step", f"{r['loader_vs_step']:,.0f}", f"loader {s['loader_tokens_per_s']:,.0f} tokens/s, step {s['jdp_tokens_per_s']:,.0f} tokens/s"),
+        ("mfu", f"{r['mfu']:.1%}", f"of {s['peak_flops'] / 1e12:.3g} TFLOP/s ({s['peak_source']})"),
+    ]  # fmt: skip
+    for n, v in r["ddp_vs_dp"].items():
+        d = r["ddp_vs_dp_detail"][n]
+        rows.append(
+            (
+                f"ddp_vs_dp ({n} dev)",
+                f"{v:.3f}",
+                f"ddp {d['ddp_step_s'] * 1e3:.0f} ms, dp {d['dp_step_s'] * 1e3:.0f} ms",
+            )
+        )
+    if "jdp_vs_torch_ddp" in r:
+        t = r["torch_ddp"]
+        j, p = statistics.median(t["jdp_tokens_per_s"]), statistics.median(t["torch_tokens_per_s"])
+        rows.append(
+            (
+                "jdp_vs_torch_ddp",
+                f"{r['jdp_vs_torch_ddp']:.3f}",
+                f"{t['processes']} processes: jdp {j:,.0f}, torch {p:,.0f} tokens/s",
+            )
+        )
+    width = max(len(k) for k, _, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v:>9}  {note}" for k, v, note in rows)
+
+
+def _has_gpu() -> bool:
+    return _gpu_count() > 0
+
+
+def _gpu_count() -> int:
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+        return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+    except (OSError, subprocess.SubprocessError):
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""Gradient buckets, the bf16 reduction, the DP baseline and the XLA options, read off compiled programs."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from test_parallel import CFG, make_batch, params_close, rel_diff
+
+from jdp import parallel
+from jdp.config import OptimConfig
+from jdp.model import GPT, lm_loss
+from jdp.optim import make_optimizer
+
+
+def build(n_devices=4, grad_accum=1, **step_kw):
+    mesh = parallel.make_mesh(jax.devices()[:n_devices])
+    opt, schedule = make_optimizer(OptimConfig(lr=1e-3, warmup_steps=0), 10)
+    graphdef, state = parallel.init_state(GPT(CFG, nnx.Rngs(0)), opt, mesh)
+    state = parallel.for_strategy(state, step_kw.get("strategy", "ddp"), mesh)
+    step = parallel.make_train_step(graphdef, lm_loss, opt, mesh, grad_accum, schedule, **step_kw)
+    return mesh, graphdef, state, step
+
+
+def plan(graphdef, state, bucket_mb, reduce_dtype="float32", micro_rows=2):
+    micro = {k: v[:micro_rows] for k, v in make_batch(0).items()}
+    return parallel.bucket_plan(graphdef, lm_loss, state.params, state.rest, micro, bucket_mb, reduce_dtype)
+
+
+def gradient_reduces(step, state, mesh, hlo="compiled"):
+    lowered = step.lower(state, parallel.shard_batch(make_batch(0), mesh))
+    text = lowered.compile().as_text() if hlo == "compiled" else lowered.as_text(dialect="hlo")
+    return [r for r in parallel.all_reduces(text) if r.shapes != ["f32[2]"]]  # not the loss/token pair
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+@pytest.mark.parametrize("bucket_mb", [0.0, 0.04, 0.015])
+def test_compiled_all_reduces_follow_bucket_mb(bucket_mb, grad_accum):
+    mesh, graphdef, state, step = build(grad_accum=grad_accum, bucket_mb=bucket_mb)
+    buckets = plan(graphdef, state, bucket_mb)
+    reduces = gradient_reduces(step, state, mesh)
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(state.params))
+    # One all-reduce per planned bucket, each exactly the bucket's bytes, none inside the accumulation loop.
+    assert sorted(r.bytes for r in reduces) == sorted(b.nbytes for b in buckets), (reduces, buckets)
+    assert not [r for r in reduces if r.in_loop]
+    assert sum(r.bytes for r in reduces) == param_bytes
+    cap = bucket_mb * 2**20
+    leaf_bytes = {k: x.nbytes for k, x in enumerate(jax.tree.leaves(state.params))}
+    for b in buckets:  # within the cap, unless one gradient alone is larger (DDP's rule)
+        assert bucket_mb == 0 or b.nbytes <= cap or len(b.leaves) == 1
+        assert bucket_mb == 0 or len(b.leaves) == 1 or b.nbytes - leaf_bytes[b.leaves[-1]] < cap
+    if bucket_mb == 0:
+        assert len(buckets) == 1
+    else:
+        assert len(buckets) >= param_bytes / cap - 1
+
+
+def test_smaller_buckets_mean_more_all_reduces():
+    counts = []
+    for mb in (1.0, 0.04, 0.015, 0.005):
+        mesh, graphdef, state, step = build(bucket_mb=mb)
+        counts.append(len(gradient_reduces(step, state, mesh)))
+    assert counts == sorted(counts) and counts[0] == 1 and counts[-1] > counts[1] > 1, counts
+
+
+def test_buckets_go_in_reverse_layer_order():
+    mesh, graphdef, state, _ = build()
+    names = [n for b in plan(graphdef, state, 0.005) for n in b.names]
+    assert names[:2] == ["norm.bias", "norm.scale"] or names[:2] == ["norm.scale", "norm.bias"], names
+    last_block = max(i for i, n in enumerate(names) if n.startswith("blocks.1."))
+    first_block = min(i for i, n in enumerate(names) if n.startswith("blocks.0."))
+    assert last_block < first_block, names  # block 1's gradients are ready (and reduced) before block 0's
+    # The tied embedding is used first (lookup) and last (logits): its gradient completes last.
+    assert names[-1] == "embed.embedding", names
+
+
+def test_bfloat16_reduction_halves_the_bytes_and_matches_float32():
+    mesh, graphdef, state, step32 = build(bucket_mb=0.02)
+    _, _, _, step16 = build(bucket_mb=0.02, reduce_dtype="bfloat16")
+    emitted32 = gradient_reduces(step32, state, mesh, hlo="emitted")
+    emitted16 = gradient_reduces(step16, state, mesh, hlo="emitted")
+    assert all(s.startswith("bf16[") for r in emitted16 for s in r.shapes), emitted16
+    assert sum(r.bytes for r in emitted16) * 2 == sum(r.bytes for r in emitted32)
+    # The result: the same gradients to bf16 precision, and not bit-equal (the rounding really happened).
+    batch = parallel.shard_batch(make_batch(0, uneven_padding=True), mesh)
+    g32, loss32, _ = parallel.make_grad_fn(graphdef, lm_loss, mesh, bucket_mb=0.02)(state, batch)
+    g16, loss16, _ = parallel.make_grad_fn(graphdef, lm_loss, mesh, bucket_mb=0.02, reduce_dtype="bfloat16")(
+        state, batch
+    )
+    assert float(loss16) == float(loss32)
+    assert 0 < rel_diff(g32, g16) <= 8e-3
+
+
+def test_dp_baseline_matches_ddp():
+    histories, finals = {}, {}
+    for strategy in ("ddp", "dp"):
+        mesh, _, state, step = build(strategy=strategy)
+        history = []
+        for i in range(4):
+            state, metrics = step(state, parallel.shard_batch(make_batch(i, uneven_padding=True), mesh))
+            history.append({k: float(v) for k, v in jax.device_get(metrics).items()})
+        histories[strategy], finals[strategy] = history, state
+    for a, b in zip(histories["ddp"], histories["dp"], strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"] and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4
+    assert params_close(finals["ddp"].params, finals["dp"].params) <= 0
+    dp = finals["dp"]
+    assert int(dp.step) == 4
+    # The DP layout: the optimizer state lives on the master only; the parameters were broadcast to all.
+    assert {len(x.sharding.device_set) for x in jax.tree.leaves(dp.opt_state)} == {1}
+    assert not parallel.replica_mismatches(dp.params)
+    assert {len(x.sharding.device_set) for x in jax.tree.leaves(dp.params)} == {4}
+
+
+def test_xla_flags_added_only_where_the_user_has_not_set_them():
+    env = {"XLA_FLAGS": "--xla_gpu_all_reduce_combine_threshold_bytes=123 --xla_force_host_platform_device_count=2"}
+    added = parallel.set_xla_flags(bucket_mb=25, environ=env)
+    assert "--xla_gpu_all_reduce_combine_threshold_bytes=123" in env["XLA_FLAGS"]
+    assert not any("combine_threshold" in a for a in added)
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in added
+    assert parallel.set_xla_flags(bucket_mb=25, environ=env) == []  # idempotent
+    env = {}
+    parallel.set_xla_flags(bucket_mb=4, environ=env)
+    assert f"--xla_gpu_all_reduce_combine_threshold_bytes={4 * 2**20}" in env["XLA_FLAGS"]
+
+
+def test_allreduce_command_reports_buckets_summing_to_parameter_bytes(tmp_path):
+    small = ["model.n_layers=2", "model.d_model=64", "train.batch_size=8", "data.seq_len=32", "model.max_seq_len=32"]
+    out = subprocess.run(
+        [sys.executable, "-m", "jdp.cli", "allreduce", "tiny", "--devices", "2", "--json", "parallel.bucket_mb=0.1"]
+        + small,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    numbers = json.loads(out.stdout.strip().splitlines()[-1])
+    assert numbers["devices"] == 2
+    assert numbers["gradient_bytes_total"] == numbers["parameter_bytes"]
+    assert numbers["gradient_all_reduces"] == len(numbers["planned_bucket_bytes"]) > 1
+    assert sorted(numbers["gradient_bytes"]) == sorted(numbers["planned_bucket_bytes"])
+    assert "gradients:" in out.stdout and "blocks.1" in out.stdout
+    assert np.all(np.asarray(numbers["gradient_bytes"]) > 0) and numbers["in_loop"] == 0
