@@ -1,0 +1,189 @@
+"""`jdp generate`: load a run's latest checkpoint and continue a prompt, sampling with a fixed seed."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jdp import parallel
+from jdp.checkpoint import Checkpoints
+from jdp.config import Config, ConfigError, load_config
+from jdp.data import ByteTokenizer, HFTokenizer, load_tokenizer
+from jdp.model import GPT
+from jdp.train import build
+
+Tokenizer = ByteTokenizer | HFTokenizer
+
+
+class _ReadOnlyCheckpoints(Checkpoints):
+    """The run's checkpoints, opened read-only: sampling never creates, cleans up or moves anything.
+
+    A training run may be writing its next checkpoint right now; a writable manager would delete its
+    temporary directory. Damaged checkpoints are skipped (with restore_latest's warning) but left in place.
+    """
+
+    def __init__(self, run_dir: str | Path):
+        import orbax.checkpoint as ocp
+
+        self.dir = Path(run_dir).absolute() / "checkpoints"
+        options = ocp.CheckpointManagerOptions(
+            read_only=True, create=False, cleanup_tmp_directories=False, enable_async_checkpointing=False
+        )
+        self.manager = ocp.CheckpointManager(self.dir, options=options)
+
+    def _set_aside(self, steps: list[int]) -> None:
+        pass
+
+
+def load_run(run_dir: str | Path) -> tuple[Config, GPT, Tokenizer, int]:
+    """(config, model with the latest checkpoint's parameters, tokenizer, that checkpoint's step), on one device.
+
+    The checkpoint may come from any number of devices: every leaf is replicated, and orbax restores it
+    into the one-device template's sharding.
+    """
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"{run_dir} is not a jdp run directory (it has no config.yaml); give a run's train.run_dir")
+    cfg = load_config(run_dir / "config.yaml")
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    if not (run_dir / "checkpoints").is_dir():
+        raise ConfigError(f"{run_dir} has no checkpoint yet (no {run_dir / 'checkpoints'}); train it first")
+    ckpts = _ReadOnlyCheckpoints(run_dir)
+    try:
+        steps = ckpts.steps()
+        if not steps:
+            raise ConfigError(f"{run_dir} has no checkpoint yet ({ckpts.dir} is empty); train it first")
+        # build() gives the state's structure, shapes and shardings on a one-device mesh; it compiles nothing
+        # but the optimizer's init, and the restore overwrites every value.
+        graphdef, state, _, _ = build(cfg, parallel.make_mesh(jax.devices()[:1]))
+        try:
+            restored = ckpts.restore_latest(state)
+        except ConfigError as e:
+            raise ConfigError(f"none of the checkpoints {steps} in {ckpts.dir} can be restored") from e
+    finally:
+        ckpts.close()
+    step, state, _ = restored
+    return cfg, nnx.merge(graphdef, state.params, state.rest), tokenizer, step
+
+
+# No KV cache: each new token runs the whole forward on the fixed-size window and reads the logits at one
+# position. For models this size that is a few milliseconds on a CPU, and a single compiled program serves
+# every position and every prompt length.
+@functools.partial(jax.jit, static_argnames=("graphdef", "top_k", "n_vocab"))
+def _next_token(graphdef, state, window_1xP, pos, key, index, temperature, *, top_k: int, n_vocab: int):
+    """The token after window[0, pos]: argmax at temperature 0, else sampled from the top_k (0: all)."""
+    logits_V = nnx.merge(graphdef, state)(window_1xP)[0, pos]
+    logits_V = jnp.where(jnp.arange(logits_V.shape[0]) < n_vocab, logits_V, -jnp.inf)  # padding ids never appear
+    if top_k:
+        kth = jax.lax.top_k(logits_V, top_k)[0][-1]
+        logits_V = jnp.where(logits_V < kth, -jnp.inf, logits_V)
+    # Token i's key depends on (seed, i) only, so a longer generation starts with the shorter one's text.
+    sampled = jax.random.categorical(jax.random.fold_in(key, index), logits_V / jnp.maximum(temperature, 1e-6))
+    return jnp.where(temperature > 0, sampled, jnp.argmax(logits_V))
+
+
+def _check_sampling(max_new_tokens: int, temperature: float, top_k: int) -> None:
+    if max_new_tokens < 0 or not temperature >= 0 or top_k < 0:
+        raise ConfigError(
+            f"need max_new_tokens >= 0, temperature >= 0 (0: greedy) and top_k >= 0 (0: no limit); got "
+            f"{max_new_tokens}, {temperature}, {top_k}"
+        )
+
+
+def sample_tokens(
+    model: GPT,
+    tokenizer: Tokenizer,
+    prompt: str,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int = 40,
+    seed: int = 0,
+) -> tuple[list[int], list[int]]:
+    """(prompt ids, continuation ids). The continuation stops before the end-of-document token, if drawn."""
+    _check_sampling(max_new_tokens, temperature, top_k)
+    P = model.cfg.max_seq_len
+    prompt_ids = [int(i) for i in tokenizer.encode_batch([prompt])[0]]
+    if not prompt_ids:
+        raise ConfigError("the prompt is empty (it encodes to no tokens)")
+    if len(prompt_ids) > P:
+        raise ConfigError(
+            f"the prompt is {len(prompt_ids)} tokens, longer than the model's context (model.max_seq_len={P})"
+        )
+    n_vocab = min(tokenizer.vocab_size, model.cfg.vocab_size)
+    top_k = min(top_k, n_vocab)
+    eod = getattr(tokenizer, "eod_id", None)
+    graphdef, state = nnx.split(model)
+    key = jax.random.key(seed)
+    ids, new = list(prompt_ids), []
+    window_1xP = np.zeros((1, P), np.int32)  # positions after `pos` are never seen (causal attention)
+    for i in range(max_new_tokens):
+        context = ids[-P:]  # once the context is full, the window slides: the model sees the last P tokens
+        window_1xP[0, : len(context)] = context
+        token = int(
+            _next_token(
+                graphdef, state, window_1xP, len(context) - 1, key, i, float(temperature), top_k=top_k, n_vocab=n_vocab
+            )
+        )
+        if token == eod:
+            break
+        ids.append(token)
+        new.append(token)
+    return prompt_ids, new
+
+
+def generate(
+    model: GPT,
+    tokenizer: Tokenizer,
+    prompt: str,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int = 40,
+    seed: int = 0,
+) -> str:
+    """The prompt followed by up to max_new_tokens sampled tokens, decoded together as one text.
+
+    temperature 0 is greedy (argmax); top_k 0 samples from the whole vocabulary. The same model, prompt,
+    settings and seed give the same text. With the byte tokenizer the text starts with the prompt exactly.
+    """
+    prompt_ids, new = sample_tokens(model, tokenizer, prompt, max_new_tokens, temperature, top_k, seed)
+    return tokenizer.decode(prompt_ids + new)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by jdp train")
+    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate at most (default 200)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8)")
+    parser.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest tokens; 0: all (default 40)")
+    parser.add_argument("--seed", type=int, default=0, help="the same seed gives the same text (default 0)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the prompt and its continuation to stdout; a header and the speed go to stderr."""
+    _check_sampling(args.max_new_tokens, args.temperature, args.top_k)
+    cfg, model, tokenizer, step = load_run(args.run_dir)
+    print(
+        f"jdp | {args.run_dir}: checkpoint at step {step} | temperature {args.temperature:g}, top_k {args.top_k}, "
+        f"seed {args.seed}",
+        file=sys.stderr,
+        flush=True,
+    )
+    start = time.perf_counter()
+    prompt_ids, new = sample_tokens(
+        model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed
+    )
+    seconds = time.perf_counter() - start
+    print(tokenizer.decode(prompt_ids + new), flush=True)
+    print(
+        f"jdp | {len(new)} tokens in {seconds:.1f} s ({len(new) / max(seconds, 1e-9):,.0f} tokens/s, compilation included)",
+        file=sys.stderr,
+    )
+    return 0
