@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from jdp.config import ConfigError
 
@@ -64,6 +65,12 @@ def _allreduce(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from jdp import plot
+
+    return plot.run(args)
+
+
 def _launch(args: argparse.Namespace) -> int:
     from jdp.launch import LaunchError, launch
 
@@ -104,6 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--devices", type=int, help="compile for N simulated CPU devices instead of this machine's")
     p.add_argument("--json", action="store_true", help="also print the numbers as one JSON line")
     p.set_defaults(func=_allreduce)
+
+    p = sub.add_parser(
+        "plot",
+        help="plot loss and throughput of one run or several",
+        description="Training and validation loss against steps and against tokens, and tokens/s, from each "
+        "RUN_DIR's metrics.jsonl; several runs are overlaid.",
+        epilog="example: jdp plot runs/a runs/b -o compare.png",
+    )
+    p.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
+    p.add_argument("-o", "--out", type=Path, help="the PNG to write (default: RUN_DIR/plot.png of the first run)")
+    p.set_defaults(func=_plot)
 
     p = sub.add_parser(
         "launch",

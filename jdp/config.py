@@ -74,6 +74,8 @@ class TrainConfig:
     max_bad_steps: int = 5  # more non-finite steps than this in a row stop the run
     check_replicas_every: int = 100  # compare a digest of every replica's parameters; 0: only at start
     step_timeout_s: int = 600  # no step finished for this long: a peer is stalled or dead, so exit
+    tensorboard: bool = True  # TensorBoard event files in RUN_DIR/tensorboard, beside metrics.jsonl
+    wandb_project: str = ""  # a Weights & Biases project name switches W&B logging on (needs `pip install wandb`)
 
 
 @dataclass(frozen=True)
@@ -277,6 +279,14 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Derived:
             f"train.batch_size={t.batch_size} is not divisible by devices ({n_devices}) x train.grad_accum "
             f"({t.grad_accum}) = {per_step}; use a multiple of {per_step}, e.g. {lo} or {lo + per_step}"
         )
+    if t.wandb_project:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            problems.append(
+                f"train.wandb_project={t.wandb_project!r} switches Weights & Biases on, but wandb is not "
+                f"installed: pip install wandb (or leave train.wandb_project empty)"
+            )
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
     per_device = t.batch_size // n_devices

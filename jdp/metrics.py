@@ -67,22 +67,86 @@ def peak_flops(dtype: str, n_devices: int) -> tuple[float, str]:
 
 
 class MetricsLog:
-    """Appends one JSON object per line to metrics.jsonl; only process 0 writes."""
+    """Appends one JSON object per line to metrics.jsonl, and mirrors every number to the trackers:
+    TensorBoard event files in RUN_DIR/tensorboard (tensorboardX's writer) and, when switched on, Weights &
+    Biases. Only process 0 writes.
 
-    def __init__(self, path: str | Path, enabled: bool = True):
+    resume_step: the step a resumed run restarts from; TensorBoard then drops the lost steps after it (the
+    same steps `supersede` moves out of metrics.jsonl), so no tracker shows a step twice.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        enabled: bool = True,
+        tensorboard: bool = False,
+        wandb_project: str = "",
+        config: dict | None = None,
+        resume_step: int | None = None,
+    ):
         self.path, self.enabled = Path(path), enabled
-        if enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._f = self.path.open("a")
+        self._tb = self._wandb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = self.path.open("a")
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            # Events from a step after the resume point are dropped (TensorBoard purges steps >= purge_step).
+            purge = None if resume_step is None else resume_step + 1
+            self._tb = SummaryWriter(str(self.path.parent / "tensorboard"), purge_step=purge)
+        if wandb_project:
+            import wandb
+
+            id_file = self.path.parent / "wandb-run-id"  # the same W&B run across restarts of this run
+            run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+            id_file.write_text(run_id)
+            self._wandb = wandb.init(
+                project=wandb_project,
+                id=run_id,
+                resume="allow",
+                dir=str(self.path.parent),
+                name=self.path.parent.name,
+                config=config,
+            )
 
     def write(self, record: dict) -> None:
-        if self.enabled:
-            self._f.write(json.dumps(record) + "\n")
-            self._f.flush()
+        if not self.enabled:
+            return
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+        step = record.get("step", 0)
+        scalars = {tag: v for tag, v in _tags(record) if isinstance(v, (int, float)) and v is not None}
+        if self._tb is not None:
+            for tag, value in scalars.items():
+                self._tb.add_scalar(tag, value, global_step=step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
 
     def close(self) -> None:
         if self.enabled:
             self._f.close()
+            if self._tb is not None:
+                self._tb.close()
+            if self._wandb is not None:
+                self._wandb.finish()
+
+
+def _tags(record: dict, prefix: str = ""):
+    """metrics.jsonl keys as tracker tags: train/loss, eval/loss, goodput/compile_s, ..."""
+    for key, value in record.items():
+        if key == "step" and not prefix:
+            continue
+        if isinstance(value, dict):
+            yield from _tags(value, f"{prefix}{key}/")
+        elif prefix:
+            yield f"{prefix}{key}", value
+        elif key.startswith("eval_"):
+            yield f"eval/{key[len('eval_') :]}", value
+        else:
+            yield f"train/{key}", value
 
 
 def read_metrics(path: str | Path) -> list[dict]:

@@ -22,7 +22,7 @@ from jdp import parallel
 from jdp.checkpoint import Checkpoints, check_resumable
 from jdp.config import Config, ConfigError, save_config, validate
 from jdp.data import Prefetcher, eval_batches, load_data
-from jdp.metrics import MetricsLog, flops_per_token, peak_flops, supersede
+from jdp.metrics import MetricsLog, flops_per_token, peak_flops, read_metrics, supersede
 from jdp.model import GPT, count_params, lm_loss
 from jdp.optim import make_optimizer
 
@@ -57,6 +57,67 @@ def params_sha256(params) -> str:
     return h.hexdigest()
 
 
+class _timed:
+    """Adds the seconds spent inside the block to spent[key]."""
+
+    def __init__(self, spent: dict, key: str, enabled: bool = True):
+        self.spent, self.key, self.enabled = spent, key, enabled
+
+    def __enter__(self):
+        self.t = time.time()
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.spent[self.key] += time.time() - self.t
+
+
+def _lost_steps(metrics_path: Path, start: int) -> int:
+    """Steps the previous attempt logged after the checkpoint this run resumes from: work done twice."""
+    if not metrics_path.exists():
+        return 0
+    steps = [r["step"] for r in read_metrics(metrics_path) if "loss" in r]
+    return max(0, max(steps, default=start) - start)
+
+
+def _goodput(spent: dict, loop_s: float, data_wait_s: float, steps: int, lost_steps: int) -> dict:
+    """Where this run's wall-clock time went, in seconds, and the fraction spent on useful training steps.
+
+    Training steps are the loop's time less compilation, data waits, evaluation, checkpoint saves and replica
+    checks. Lost work is the steps an earlier attempt ran past its last checkpoint, redone by this run, priced
+    at this run's mean step time: it is inside "training steps" but produced nothing new.
+    """
+    in_loop = ("compile_s", "eval_s", "checkpoint_s", "replica_checks_s")
+    steps_s = max(0.0, loop_s - data_wait_s - sum(spent[k] for k in in_loop))
+    step_s = steps_s / steps if steps else 0.0
+    lost_s = min(steps_s, lost_steps * step_s)
+    wall_s = spent["startup_s"] + loop_s
+    out = {
+        "wall_s": wall_s,
+        "startup_s": spent["startup_s"],
+        "compile_s": spent["compile_s"],
+        "data_wait_s": data_wait_s,
+        "train_steps_s": steps_s - lost_s,
+        "eval_s": spent["eval_s"],
+        "checkpoint_s": spent["checkpoint_s"],
+        "replica_checks_s": spent["replica_checks_s"],
+        "lost_work_s": lost_s,
+        "lost_steps": lost_steps,
+    }
+    out["goodput"] = out["train_steps_s"] / wall_s if wall_s > 0 else 0.0
+    return out
+
+
+def _describe_goodput(g: dict) -> str:
+    rows = [(k[: -len("_s")].replace("_", " "), g[k]) for k in g if k.endswith("_s") and k != "wall_s"]
+    lines = [f"jdp | goodput {g['goodput']:.1%} of {g['wall_s']:.1f} s wall-clock:"]
+    for name, sec in rows:
+        extra = (
+            f" ({g['lost_steps']} steps redone after the restart)" if name == "lost work" and g["lost_steps"] else ""
+        )
+        lines.append(f"jdp |   {name:<15} {sec:8.1f} s  {sec / g['wall_s']:6.1%}{extra}")
+    return "\n".join(lines)
+
+
 class RunError(RuntimeError):
     """Training failed; the message names the process and the phase it was in."""
 
@@ -86,7 +147,17 @@ def _diverge(params):
 def _archive(run_dir: Path) -> Path | None:
     """Move a previous run's files into run_dir/archived-TIME (train.resume=false): nothing is deleted."""
     old = [
-        run_dir / n for n in ("checkpoints", "metrics.jsonl", "metrics.superseded.jsonl", "summary.json", "data_state")
+        run_dir / n
+        for n in (
+            "checkpoints",
+            "metrics.jsonl",
+            "metrics.superseded.jsonl",
+            "summary.json",
+            "data_state",
+            "tensorboard",
+            "wandb-run-id",
+            "wandb",
+        )
     ]
     old = [p for p in old if p.exists()]
     if not old:
@@ -264,6 +335,7 @@ def _train(cfg: Config, world: parallel.World, phase: list[str]) -> dict:
             data.train.load_state_dict(
                 json.loads((run_dir / "data_state" / str(start) / f"process_{jax.process_index()}.json").read_text())
             )
+    lost_steps = _lost_steps(run_dir / "metrics.jsonl", start) if resumed_from is not None else 0
     if is_main and (moved := supersede(run_dir / "metrics.jsonl", start)):
         say(
             f"jdp | {moved} metrics records after step {start} (work lost since that checkpoint) moved to metrics.superseded.jsonl"
@@ -303,7 +375,17 @@ def _train(cfg: Config, world: parallel.World, phase: list[str]) -> dict:
 
     check_replicas(start)
 
-    log = MetricsLog(run_dir / "metrics.jsonl", enabled=is_main)
+    log = MetricsLog(
+        run_dir / "metrics.jsonl",
+        enabled=is_main,
+        tensorboard=t.tensorboard,
+        wandb_project=t.wandb_project,
+        config=cfg.to_dict(),
+        resume_step=start if resumed_from is not None else None,
+    )
+    # Where the wall-clock time goes (the goodput summary): seconds per kind of work.
+    spent = {"startup_s": time.time() - start_time, "compile_s": 0.0, "eval_s": 0.0, "checkpoint_s": 0.0}
+    spent["replica_checks_s"] = 0.0
     do_eval = cfg.data.val_tokens > 0
     last: dict = {}
     bar = tqdm(
@@ -371,6 +453,10 @@ def _train(cfg: Config, world: parallel.World, phase: list[str]) -> dict:
         bar.update(1)
 
     def run_eval(step: int) -> None:
+        with _timed(spent, "eval_s"):
+            _run_eval(step)
+
+    def _run_eval(step: int) -> None:
         phase[0] = f"evaluating at step {step}"
         watchdog.pause()
         loss, n_tok = evaluate(eval_step, state, data.tokens.val, cfg, mesh, rows)
@@ -381,6 +467,10 @@ def _train(cfg: Config, world: parallel.World, phase: list[str]) -> dict:
         clock["t"], clock["tokens"] = time.perf_counter(), 0  # evaluation time is not training throughput
 
     def save(step: int) -> None:
+        with _timed(spent, "checkpoint_s"):
+            _save(step)
+
+    def _save(step: int) -> None:
         phase[0] = f"saving the checkpoint at step {step}"
         if cfg.data.streaming:  # each process's own stream position, beside the checkpoint
             where = run_dir / "data_state" / str(step)
@@ -398,6 +488,7 @@ def _train(cfg: Config, world: parallel.World, phase: list[str]) -> dict:
 
     pending, done, preempted, saved = None, start, False, set(ckpts.steps())
     periodic = {"replicas": t.check_replicas_every, "eval": t.eval_every if do_eval else 0, "checkpoint": t.ckpt_every}
+    loop_start = time.time()
     try:
         for step, (local, position) in loader:
             if stop.should_stop(done):
@@ -409,7 +500,8 @@ def _train(cfg: Config, world: parallel.World, phase: list[str]) -> dict:
             if str(step + 1) in hooks.get("nan_steps", "").split(","):
                 local = {**local, "weights": local["weights"] * np.float32("nan")}
             positions[step + 1] = position
-            state, metrics = train_step(state, parallel.shard_batch(local, mesh, t.batch_size))
+            with _timed(spent, "compile_s", enabled=step == start):  # the first call traces and compiles
+                state, metrics = train_step(state, parallel.shard_batch(local, mesh, t.batch_size))
             done = step + 1
             # Fetch the previous step's metrics only now that this step is queued: the device never waits on us.
             if pending is not None:
@@ -420,7 +512,8 @@ def _train(cfg: Config, world: parallel.World, phase: list[str]) -> dict:
                 finish(*pending)
                 pending = None
                 if due["replicas"]:
-                    check_replicas(done)
+                    with _timed(spent, "replica_checks_s"):
+                        check_replicas(done)
                 if due["eval"]:
                     run_eval(done)
                 if due["checkpoint"]:
@@ -446,7 +539,8 @@ def _train(cfg: Config, world: parallel.World, phase: list[str]) -> dict:
             save(done)
         phase[0] = f"waiting for the checkpoint at step {done}"
         watchdog.pause()
-        ckpts.wait()
+        with _timed(spent, "checkpoint_s"):
+            ckpts.wait()
         say(f"\njdp | stopped by a signal after step {done}; checkpoint saved. Run the same command to resume.")
     else:
         if do_eval:
@@ -455,11 +549,16 @@ def _train(cfg: Config, world: parallel.World, phase: list[str]) -> dict:
             save(t.steps)
         phase[0] = "waiting for the last checkpoint"
         watchdog.pause()
-        ckpts.wait()
+        with _timed(spent, "checkpoint_s"):
+            ckpts.wait()
     watchdog.close()
     stop.close()
     ckpts.close()
     bar.close()
+    goodput = _goodput(spent, time.time() - loop_start, loader.wait_s, done - start, lost_steps)
+    log.write({"step": done, "goodput": goodput})
+    if is_main:
+        print(_describe_goodput(goodput), flush=True)
     log.close()
     phase[0] = "writing the summary"
     summary = {
@@ -472,6 +571,7 @@ def _train(cfg: Config, world: parallel.World, phase: list[str]) -> dict:
         "wall_s": time.time() - start_time,
         "world": world.describe(),
         "devices": derived.n_devices,
+        "goodput": goodput,
         "params_sha256": params_sha256(state.params),
         "params_fingerprint": fingerprint(state.params),
     }

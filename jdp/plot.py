@@ -1,0 +1,75 @@
+"""`jdp plot RUN_DIR [RUN_DIR ...] -o FILE.png`: loss against steps and tokens, and throughput, from metrics.jsonl.
+
+One run or several overlaid (one colour per run; training loss solid, validation loss dashed with markers).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from jdp.config import ConfigError
+from jdp.metrics import read_metrics
+
+
+def load_run(run_dir: Path) -> dict[str, list]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        raise ConfigError(f"{run_dir} is not a jdp run directory: it has no metrics.jsonl")
+    records = read_metrics(path)
+    train = [r for r in records if r.get("loss") is not None]
+    evals = [r for r in records if r.get("eval_loss") is not None]
+    if not train:
+        raise ConfigError(f"{path} has no training records yet")
+    tokens_per_step = train[-1]["tokens"] / train[-1]["step"]
+    return {
+        "step": [r["step"] for r in train],
+        "tokens": [r["tokens"] for r in train],
+        "loss": [r["loss"] for r in train],
+        "tps_step": [r["step"] for r in train if r.get("tokens_per_sec")],
+        "tps": [r["tokens_per_sec"] for r in train if r.get("tokens_per_sec")],
+        "eval_step": [r["step"] for r in evals],
+        "eval_tokens": [r["step"] * tokens_per_step for r in evals],
+        "eval_loss": [r["eval_loss"] for r in evals],
+    }
+
+
+def plot(run_dirs: list[Path], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    runs = {d: load_run(d) for d in run_dirs}
+    fig, (by_step, by_tokens, speed) = plt.subplots(1, 3, figsize=(16, 4.5))
+    for i, (d, r) in enumerate(runs.items()):
+        color, name = f"C{i}", _label(d, run_dirs)
+        for ax, x, ex in ((by_step, "step", "eval_step"), (by_tokens, "tokens", "eval_tokens")):
+            ax.plot(r[x], r["loss"], color=color, label=f"{name} train")
+            if r["eval_loss"]:
+                ax.plot(r[ex], r["eval_loss"], "o--", color=color, label=f"{name} validation")
+        speed.plot(r["tps_step"], r["tps"], color=color, label=name)
+    by_step.set(xlabel="step", ylabel="loss", title="loss by step")
+    by_tokens.set(xlabel="tokens", ylabel="loss", title="loss by tokens seen")
+    speed.set(xlabel="step", ylabel="tokens / s", title="throughput")
+    speed.set_ylim(bottom=0)
+    for ax in (by_step, by_tokens, speed):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _label(run_dir: Path, all_dirs: list[Path]) -> str:
+    names = [d.resolve().name for d in all_dirs]
+    name = run_dir.resolve().name
+    return str(run_dir) if names.count(name) > 1 else name
+
+
+def run(args: argparse.Namespace) -> int:
+    out = args.out or args.run_dirs[0] / "plot.png"
+    print(f"jdp plot: wrote {plot(args.run_dirs, out)}")
+    return 0

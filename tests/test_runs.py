@@ -1,0 +1,102 @@
+"""Working with runs: TensorBoard event files, plots and the goodput summary, made from real tiny runs."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jdp.config import ConfigError, load_config, validate
+from jdp.metrics import read_metrics
+from jdp.train import train
+
+SMALL = [
+    "model.n_layers=1", "model.d_model=64", "model.max_seq_len=64", "data.seq_len=64", "train.batch_size=8",
+    "train.log_every=3", "train.eval_every=6", "train.ckpt_every=6", "train.progress=false", "data.val_tokens=2048",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def resumed_run(tmp_path_factory):
+    """12 steps; then the checkpoint at 12 is lost (as if the job died before writing it) and the run is
+    resumed from step 6 and extended to 18 steps: steps 7-12 are redone, 13-18 are new."""
+    run_dir = tmp_path_factory.mktemp("runs") / "a"
+    cfg = load_config("tiny", [*SMALL, "train.steps=12", f"train.run_dir={run_dir}"])
+    train(cfg)
+    first = read_metrics(run_dir / "metrics.jsonl")
+    shutil.rmtree(run_dir / "checkpoints" / "12")
+    train(load_config("tiny", [*SMALL, "train.steps=18", f"train.run_dir={run_dir}"]))
+    return run_dir, first
+
+
+def _scalars(run_dir, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def test_tensorboard_event_files_read_back_with_tensorboards_reader(resumed_run):
+    run_dir, _ = resumed_run
+    records = read_metrics(run_dir / "metrics.jsonl")
+    train_loss = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    tb_loss = _scalars(run_dir, "train/loss")
+    # Every logged step once (the resumed run's steps 9 and 12 replaced the lost attempt's), same values.
+    assert [s for s, _ in tb_loss] == [s for s, _ in train_loss] == [3, 6, 9, 12, 15, 18]
+    np.testing.assert_allclose([v for _, v in tb_loss], [v for _, v in train_loss], rtol=1e-6)
+    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    tb_eval = _scalars(run_dir, "eval/loss")
+    assert [s for s, _ in tb_eval] == [s for s, _ in evals] == [6, 12, 18]
+    assert [s for s, _ in _scalars(run_dir, "goodput/goodput")] == [18]
+
+
+def test_goodput_accounts_for_the_wall_clock_and_the_lost_work(resumed_run):
+    run_dir, first = resumed_run
+    goodputs = [r["goodput"] for r in read_metrics(run_dir / "metrics.jsonl") if "goodput" in r]
+    assert len(goodputs) == 1  # the first attempt's summary moved to metrics.superseded.jsonl with its steps
+    g = goodputs[0]
+    assert g["lost_steps"] == 6 and g["lost_work_s"] > 0
+    parts = ["startup_s", "compile_s", "data_wait_s", "train_steps_s", "eval_s", "checkpoint_s"]
+    parts += ["replica_checks_s", "lost_work_s"]
+    assert all(g[k] >= 0 for k in parts)
+    assert sum(g[k] for k in parts) == pytest.approx(g["wall_s"], rel=1e-6)
+    assert 0 < g["goodput"] < 1 and g["compile_s"] > 0 and g["eval_s"] > 0
+    # Half of this attempt's 12 steps redid lost work: about as much time lost as spent on new steps.
+    assert 0.5 < g["lost_work_s"] / g["train_steps_s"] < 2
+    first_goodput = [r["goodput"] for r in first if "goodput" in r][0]
+    assert first_goodput["lost_steps"] == 0 and first_goodput["lost_work_s"] == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["goodput"] == g and summary["resumed_from"] == 6
+
+
+def test_plot_overlays_runs_into_a_png(resumed_run, tmp_path):
+    import matplotlib.image
+
+    run_dir, _ = resumed_run
+    other = tmp_path / "b"
+    shutil.copytree(run_dir, other)
+    out = tmp_path / "cmp.png"
+    result = subprocess.run(
+        [sys.executable, "-m", "jdp.cli", "plot", str(run_dir), str(other), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    image = matplotlib.image.imread(out)
+    assert image.shape[0] > 300 and image.shape[1] > 1000
+    colours = np.unique((image[..., :3] * 255).astype(np.uint8).reshape(-1, 3), axis=0)
+    assert len(colours) > 50  # curves, text and two run colours, not a blank canvas
+    bad = subprocess.run(
+        [sys.executable, "-m", "jdp.cli", "plot", str(tmp_path / "nope")], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "has no metrics.jsonl" in bad.stderr
+
+
+def test_wandb_requested_but_not_installed_is_a_config_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` fail
+    with pytest.raises(ConfigError, match="pip install wandb"):
+        validate(load_config("tiny", ["train.wandb_project=mine"]), n_devices=1)
