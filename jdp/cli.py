@@ -123,6 +123,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--out", type=Path, help="the PNG to write (default: RUN_DIR/plot.png of the first run)")
     p.set_defaults(func=_plot)
 
+    from jdp import generate  # its arguments live beside the code that uses them
+
+    p = sub.add_parser(
+        "generate",
+        help="continue a prompt with a run's latest checkpoint",
+        description="Load RUN_DIR's newest checkpoint on one device and print the prompt and a sampled "
+        "continuation; the same seed gives the same text.",
+        epilog="example: jdp generate runs/tiny-20260101-120000 --prompt 'def main():' --temperature 0.7",
+    )
+    generate.add_arguments(p)
+    p.set_defaults(func=generate.run)
+
     p = sub.add_parser(
         "launch",
         help="start the workers of this node (torchrun-style)",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import sys
 import time
 from pathlib import Path
@@ -35,9 +36,19 @@ class _ReadOnlyCheckpoints(Checkpoints):
 
         self.dir = Path(run_dir).absolute() / "checkpoints"
         options = ocp.CheckpointManagerOptions(
-            read_only=True, create=False, cleanup_tmp_directories=False, enable_async_checkpointing=False
+            read_only=True,
+            create=False,
+            cleanup_tmp_directories=False,
+            save_interval_steps=0,
+            enable_async_checkpointing=False,
         )
-        self.manager = ocp.CheckpointManager(self.dir, options=options)
+        absl_log = logging.getLogger("absl")
+        level = absl_log.level
+        absl_log.setLevel(logging.ERROR)  # orbax warns that the directory is read-only: that is the point
+        try:
+            self.manager = ocp.CheckpointManager(self.dir, options=options)
+        finally:
+            absl_log.setLevel(level)
 
     def _set_aside(self, steps: list[int]) -> None:
         pass
@@ -67,7 +78,9 @@ def load_run(run_dir: str | Path) -> tuple[Config, GPT, Tokenizer, int]:
         try:
             restored = ckpts.restore_latest(state)
         except ConfigError as e:
-            raise ConfigError(f"none of the checkpoints {steps} in {ckpts.dir} can be restored") from e
+            raise ConfigError(
+                f"none of the checkpoints {steps} in {ckpts.dir} can be restored (see the warnings)"
+            ) from e
     finally:
         ckpts.close()
     step, state, _ = restored

@@ -43,7 +43,7 @@ def test_loads_the_latest_checkpoint_of_a_multi_device_run_onto_one_device(run_d
     cfg, model, tokenizer, step = load_run(run_dir)
     assert step == 30 and cfg.model.max_seq_len == P and tokenizer.eod_id == 256
     params = nnx.state(model, nnx.Param)
-    assert {leaf.sharding.device_set.pop().id for leaf in jax.tree.leaves(params)} == {0}
+    assert {d.id for leaf in jax.tree.leaves(params) for d in leaf.sharding.device_set} == {0}
     # The restored parameters are bit-identical to the ones training ended with (on 4 devices).
     assert params_sha256(params) == json.loads((run_dir / "summary.json").read_text())["params_sha256"]
     assert listing(run_dir) == before, "loading must not change the run directory"
@@ -69,15 +69,17 @@ def test_temperature_zero_is_the_argmax_continuation_past_a_full_window(loaded):
     _, model, tokenizer, _ = loaded
     prompt = ("import os\nimport sys\n" * 4)[: P - 4]  # 60 bytes: the window fills and slides within 10 tokens
     prompt_ids, new = sample_tokens(model, tokenizer, prompt, max_new_tokens=10, temperature=0.0, seed=1)
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda state, ids_1xL: nnx.merge(graphdef, state)(ids_1xL))  # unpadded: one compile per length
     ids, expected = list(prompt_ids), []
     for _ in range(10):
-        logits_V = model(jnp.asarray([ids[-P:]]))[0, -1, : tokenizer.vocab_size]  # no padding, no jit
+        logits_V = forward(state, jnp.asarray([ids[-P:]]))[0, -1, : tokenizer.vocab_size]
         token = int(jnp.argmax(logits_V))
         if token == tokenizer.eod_id:
             break
         ids.append(token)
         expected.append(token)
-    assert new == expected
+    assert new == expected and len(prompt_ids) + len(new) > P
     assert sample_tokens(model, tokenizer, prompt, max_new_tokens=10, temperature=0.0, seed=2)[1] == new
 
 
@@ -121,3 +123,23 @@ def test_bad_runs_and_prompts_are_clear_errors(run_dir, loaded, tmp_path):
         generate(model, tokenizer, "x" * (P + 1))
     with pytest.raises(ConfigError, match="temperature >= 0"):
         generate(model, tokenizer, PROMPT, temperature=-1.0)
+
+
+def truncate(checkpoint):
+    for p in (checkpoint / "state").rglob("*"):
+        if p.is_file() and p.stat().st_size > 100:
+            p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+
+
+def test_a_damaged_latest_checkpoint_falls_back_and_stays_where_it_is(run_dir, tmp_path, capsys):
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    truncate(copy / "checkpoints" / "30")
+    before = listing(copy)
+    assert load_run(copy)[3] == 20
+    assert "checkpoints/30 cannot be restored" in capsys.readouterr().err
+    assert listing(copy) == before, "a damaged checkpoint is skipped, not moved"
+    for step in (10, 20):
+        truncate(copy / "checkpoints" / str(step))
+    with pytest.raises(ConfigError, match=r"none of the checkpoints \[10, 20, 30\]"):
+        load_run(copy)
