@@ -71,6 +71,14 @@ def _plot(args: argparse.Namespace) -> int:
     return plot.run(args)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    # The planner only traces shapes: keep JAX off the GPUs (and their memory) of the machine it runs on.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from jdp import plan
+
+    return plan.run(args)
+
+
 def _launch(args: argparse.Namespace) -> int:
     from jdp.launch import LaunchError, launch
 
@@ -134,6 +142,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     generate.add_arguments(p)
     p.set_defaults(func=generate.run)
+
+    from jdp import plan
+
+    p = sub.add_parser(
+        "plan",
+        help="memory, step time and scaling of a config on N GPUs, before paying for them",
+        description="Predict, on any machine, memory per device, the step split into compute and gradient "
+        "all-reduce, and tokens/s and scaling efficiency for N = 1 .. 1024 GPUs (README: Planning a run).",
+        epilog="example: jdp plan gpt2-small --devices 64 --gpu H100 --interconnect ib-ndr",
+    )
+    plan.add_arguments(p)
+    p.set_defaults(func=_plan)
 
     p = sub.add_parser(
         "launch",

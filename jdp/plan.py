@@ -1,0 +1,586 @@
+"""`jdp plan`: memory per device, step time (compute + gradient all-reduce) and tokens/s from 1 to 1024 GPUs.
+
+Nothing is run or allocated: the parameter, gradient and optimizer-state bytes are exact, from the shapes
+`nnx.eval_shape` and `jax.eval_shape(optimizer.init)` give; the activations are an estimate, checked against
+the compiled step's `memory_analysis` in tests/test_plan.py; time comes from FLOPs, a peak and bandwidths.
+
+The model of a step (weak scaling: every device keeps the config's per-device batch, so the global batch
+grows with N):
+
+    compute   = FLOPs per token x tokens per device / (peak FLOP/s x MFU)       (MFU assumed, or measured)
+    all-reduce = sum over buckets of  2 (N-1)/N x bucket bytes / bus bandwidth  +  a fixed latency per bucket
+    exposed   = the part of the all-reduce backward cannot hide (see exposed_comm_s)
+    step      = compute + exposed;   efficiency(N) = tokens/s(N) / (N x tokens/s(1)) = compute / step
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jdp import parallel
+from jdp.config import Config, ConfigError, load_config, validate
+from jdp.metrics import GPU_PEAK_FLOPS, flops_per_token, read_metrics
+from jdp.model import GPT, lm_loss
+from jdp.optim import make_optimizer
+
+DEFAULT_CONFIG = "tiny"
+DEFAULT_MFU = 0.5  # a well-tuned dense transformer step reaches 40-60% of the datasheet peak
+COMPUTE_BOUND = 0.05  # "compute-bound": the exposed all-reduce is at most 5% of the step
+JAX_MEMORY_FRACTION = 0.75  # JAX preallocates this much of a GPU's memory by default (XLA_PYTHON_CLIENT_MEM_FRACTION)
+SCALING_NS = tuple(2**k for k in range(11))  # 1, 2, 4, ..., 1024
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    busbw_gbs: float  # achievable all-reduce bus bandwidth per GPU, GB/s, in nccl-tests' "busbw" sense
+    latency_us: float  # fixed cost of one all-reduce (one bucket), whatever its size
+    about: str
+
+
+# Achievable (not line-rate) bus bandwidths of large all-reduces, from nccl-tests reports: busbw is defined so
+# that a ring all-reduce of S bytes over N GPUs takes 2 (N-1)/N x S / busbw. The latencies are rough orders of
+# magnitude of a small all-reduce at that scale.
+#
+# Across nodes NCCL runs several rings at once, one per NIC, and each ring crosses each node boundary once, so
+# a ring over many 8-GPU nodes gets about the node's total NIC bandwidth (nccl-tests#119: 4 x 200 Gb/s NICs
+# per 8 A100s reached 86-96 of 100 GB/s). The network entries are therefore per node, for one NIC per GPU
+# (the DGX/HGX layout), and a ring over several nodes runs at the slower of them and the link inside the node.
+INTERCONNECTS = {
+    # NVLink 5, 900 GB/s per direction. NCCL's ring search reports maxBw 721.8 on 8 B200s (nccl#1807);
+    # NVLink SHARP reaches ~830 there.
+    "nvlink5": Interconnect(720, 10, "B200 NVLink 5, 8-GPU NVSwitch node"),
+    # NVLink 4, 450 GB/s per direction: rings reach ~370 GB/s (nccl#1374); NVLink SHARP ~480 (nccl-tests#290).
+    "nvlink4": Interconnect(370, 10, "H100/H200 SXM NVLink 4, 8-GPU NVSwitch node"),
+    # NVLink 3, 300 GB/s per direction: 232.5 GB/s on 8 A100s (nccl-tests#175), ~200 in #149.
+    "nvlink3": Interconnect(230, 10, "A100 SXM NVLink 3, 8-GPU NVSwitch node"),
+    # PCIe Gen5 x16, 64 GB/s per direction: assumed, like pcie4, half the link.
+    "pcie5": Interconnect(32, 15, "PCIe Gen5 x16, no NVLink"),
+    # PCIe Gen4 x16, 32 GB/s per direction; GPUs talking through the CPU reach about half (~17 in nccl-tests#128).
+    "pcie4": Interconnect(16, 15, "PCIe Gen4 x16, no NVLink (L4, L40S, A10 servers)"),
+    # ~46 GB/s per 400 Gb/s NDR NIC (46-48 per NVIDIA, nccl-tests#290), x 8 NICs per node.
+    "ib-ndr": Interconnect(368, 30, "8 x 400 Gb/s InfiniBand NDR per 8-GPU node (DGX/HGX H100, H200, B200)"),
+    # ~23 GB/s per 200 Gb/s HDR NIC (nccl-tests#119, #175), x 8 NICs per node.
+    "ib-hdr": Interconnect(184, 30, "8 x 200 Gb/s InfiniBand HDR per 8-GPU node (DGX A100)"),
+    # 12.2 GB/s is "as good as you can get" from one 100 Gb/s NIC (nccl-tests#29).
+    "ethernet-100g": Interconnect(11, 50, "one 100 Gb/s Ethernet NIC per node"),
+}
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str  # its key in jdp.metrics.GPU_PEAK_FLOPS, the datasheet peaks jdp's MFU uses
+    memory_gb: float  # datasheet memory, GB (1e9 bytes)
+    intra: str  # the link inside a node (an INTERCONNECTS name)
+    inter: str  # the network between nodes
+    per_node: int = 8
+
+    def peak_flops(self, dtype: str) -> float:
+        table = GPU_PEAK_FLOPS[self.name]
+        if dtype not in table:
+            raise ConfigError(f"no {dtype} peak for {self.name} (known: {', '.join(table)}); change model.dtype")
+        return table[dtype]
+
+
+GPUS = {
+    g.name: g
+    for g in [
+        Gpu("H100", 80, "nvlink4", "ib-ndr"),  # SXM
+        Gpu("H200", 141, "nvlink4", "ib-ndr"),
+        Gpu("B200", 180, "nvlink5", "ib-ndr"),
+        Gpu("A100", 80, "nvlink3", "ib-hdr"),  # SXM, 80 GB
+        Gpu("L40S", 48, "pcie4", "ethernet-100g"),
+        Gpu("L4", 24, "pcie4", "ethernet-100g"),
+        Gpu("A10", 24, "pcie4", "ethernet-100g"),
+    ]
+}
+
+
+def gpu_spec(name: str) -> Gpu:
+    if name not in GPUS:
+        raise ConfigError(f"unknown GPU {name!r}; known GPUs: {', '.join(GPUS)}")
+    return GPUS[name]
+
+
+def link_for(gpu: Gpu, n: int, interconnect: str | None = None, bandwidth_gbs: float | None = None):
+    """(name, bus bandwidth in bytes/s, latency in s per all-reduce) of the ring over n GPUs.
+
+    --bandwidth is a bare number: no latency. --interconnect applies to every N.
+    """
+    if bandwidth_gbs is not None:
+        return f"{bandwidth_gbs:g} GB/s", bandwidth_gbs * 1e9, 0.0
+    if interconnect is not None:
+        if interconnect not in INTERCONNECTS:
+            raise ConfigError(f"unknown interconnect {interconnect!r}; known interconnects: {', '.join(INTERCONNECTS)}")
+        link = INTERCONNECTS[interconnect]
+        return interconnect, link.busbw_gbs * 1e9, link.latency_us * 1e-6
+    intra = INTERCONNECTS[gpu.intra]
+    if n <= gpu.per_node:
+        return gpu.intra, intra.busbw_gbs * 1e9, intra.latency_us * 1e-6
+    inter = INTERCONNECTS[gpu.inter]  # the ring's bandwidth is its slowest link
+    return gpu.inter, min(intra.busbw_gbs, inter.busbw_gbs) * 1e9, max(intra.latency_us, inter.latency_us) * 1e-6
+
+
+# ---- Memory ----
+
+
+def abstract_state(cfg: Config):
+    """(graphdef, params, rest, optimizer state) as shapes only: nothing is allocated."""
+    model = nnx.eval_shape(lambda: GPT(cfg.model, nnx.Rngs(0)))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    optimizer, _ = make_optimizer(cfg.optim, cfg.train.steps)
+    return graphdef, params, rest, jax.eval_shape(optimizer.init, params)
+
+
+def tree_bytes(tree) -> int:
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def activation_bytes(cfg: Config, micro_batch: int, fused_attention: bool) -> int:
+    """Estimated bytes alive at the start of backward for one micro-batch: what backward needs from forward (in
+    the style of Korthikanti et al. 2022, "Reducing Activation Recomputation", counted for this model as XLA
+    keeps it; it matches XLA:CPU's float32 programs to about 1%, tests/test_plan.py).
+
+    Per block, in the compute dtype (N = B L tokens, D width, r mlp_ratio): the residual stream into both
+    norms (2 ND), both norm outputs (2 ND), q, k and v (3 ND), the attention output (ND), and the MLP's
+    up-projection, its tanh (GELU's backward uses it) and the GELU output (3 r ND); then the softmax, in
+    float32: its exponentials and its probabilities (2 B H L^2), or only the B H L row statistics when the
+    attention is fused (cuDNN). Outside the blocks: the embedding output and the final norm (3 ND), and the
+    float32 logits and their exponentials for the loss (2 N V). No dropout, no recomputation.
+    """
+    m, L = cfg.model, cfg.data.seq_len
+    N, D = micro_batch * L, m.d_model
+    s = jnp.dtype(m.dtype).itemsize
+    f32 = 4
+    softmax = micro_batch * m.n_heads * L * (1 if fused_attention else 2 * L) * f32
+    norm_stats = 2 * 2 * N * f32  # mean and 1/std of both norms
+    block = (8 + 3 * m.mlp_ratio) * N * D * s + softmax + norm_stats
+    outside = 3 * N * D * s + 2 * N * m.vocab_size * f32
+    return m.n_layers * block + outside
+
+
+@dataclass(frozen=True)
+class Memory:
+    params: int
+    grads: int
+    accumulator: int  # the running sum of micro-batch gradients (train.grad_accum > 1)
+    opt_state: int
+    activations: int  # estimate
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.accumulator + self.opt_state + self.activations
+
+
+def fit_note(total: int, gpu_name: str) -> str:
+    capacity = gpu_spec(gpu_name).memory_gb * 1e9
+    if total <= JAX_MEMORY_FRACTION * capacity:
+        return f"fits ({total / capacity:.1%} of {capacity / 1e9:g} GB; JAX's default pool is 75%)"
+    if total <= 0.95 * capacity:
+        return f"{total / capacity:.1%} of {capacity / 1e9:g} GB: fits with XLA_PYTHON_CLIENT_MEM_FRACTION=.95"
+    return f"does NOT fit: {total / capacity:.1%} of {capacity / 1e9:g} GB"
+
+
+# ---- Time ----
+
+
+def ring_allreduce_s(nbytes: float, n: int, busbw: float) -> float:
+    """The bandwidth term of a ring all-reduce: each GPU sends and receives 2 (N-1)/N of the bytes."""
+    return 2 * (n - 1) / n * nbytes / busbw if n > 1 else 0.0
+
+
+def exposed_comm_s(bucket_s: list[float], backward_s: float, overlap: bool) -> float:
+    """The all-reduce time backward cannot hide.
+
+    Buckets are reduced one at a time, in the order backward finishes them. With overlap, every bucket but the
+    last can run while backward continues (XLA's latency-hiding scheduler), so what shows is the last bucket,
+    or whatever of the whole does not fit inside backward: max(last bucket, all buckets - backward). This is
+    the best case. Without overlap (train.grad_accum > 1: jdp reduces after the accumulation loop, where
+    DDP would overlap the last micro-batch's backward), all of it shows.
+    """
+    total = sum(bucket_s)
+    if not overlap or not bucket_s:
+        return total
+    return max(bucket_s[-1], total - backward_s)
+
+
+@dataclass(frozen=True)
+class Step:
+    devices: int
+    link: str
+    busbw_gbs: float
+    per_device_batch: int  # sequences
+    compute_s: float
+    allreduce_s: float  # the ring bandwidth term, 2 (N-1)/N x gradient bytes / bus bandwidth
+    latency_s: float  # buckets x the link's latency
+    exposed_s: float
+    step_s: float
+    tokens_per_s: float
+    efficiency: float
+    compute_bound_batch: int | None = None  # smallest per-device batch with exposed <= 5% of the step
+
+    @property
+    def comm_s(self) -> float:
+        return self.allreduce_s + self.latency_s
+
+
+@dataclass(frozen=True)
+class Planner:
+    """Everything that does not depend on the device count: the model's FLOPs, its gradient buckets, the GPU."""
+
+    cfg: Config
+    gpu: str
+    peak: float  # FLOP/s of one GPU at the compute dtype
+    mfu: float
+    n_params: int
+    param_bytes: int
+    opt_bytes: int
+    bucket_bytes: tuple[int, ...]  # in the reduce dtype, in the order backward finishes them
+    interconnect: str | None = None
+    bandwidth_gbs: float | None = None
+
+    def step(self, n: int, per_device_batch: int) -> Step:
+        cfg = self.cfg
+        tokens = per_device_batch * cfg.data.seq_len
+        compute_s = flops_per_token(cfg) * tokens / (self.peak * self.mfu)
+        backward_s = compute_s * 2 / 3  # backward does twice forward's FLOPs
+        link, busbw, latency = link_for(gpu_spec(self.gpu), n, self.interconnect, self.bandwidth_gbs)
+        latency = latency if n > 1 else 0.0
+        bucket_s = [ring_allreduce_s(b, n, busbw) + latency for b in self.bucket_bytes] if n > 1 else []
+        exposed = exposed_comm_s(bucket_s, backward_s, overlap=cfg.train.grad_accum == 1)
+        step_s = compute_s + exposed
+        return Step(
+            devices=n,
+            link=link if n > 1 else "-",
+            busbw_gbs=busbw / 1e9 if n > 1 else 0.0,
+            per_device_batch=per_device_batch,
+            compute_s=compute_s,
+            allreduce_s=ring_allreduce_s(sum(self.bucket_bytes), n, busbw),
+            latency_s=latency * len(bucket_s),
+            exposed_s=exposed,
+            step_s=step_s,
+            tokens_per_s=n * tokens / step_s,
+            efficiency=compute_s / step_s,  # tokens/s(N) / (N x tokens/s(1)): one device has no all-reduce
+        )
+
+    def compute_bound_batch(self, n: int) -> int | None:
+        """The smallest per-device batch, a multiple of train.grad_accum, whose exposed all-reduce is at most
+        5% of the step (exposed time never grows with the batch, compute does: a bisection finds it)."""
+        ga = self.cfg.train.grad_accum
+
+        def bound(k: int) -> bool:
+            s = self.step(n, k * ga)
+            return s.exposed_s <= COMPUTE_BOUND * s.step_s
+
+        hi = 1
+        while not bound(hi):
+            hi *= 2
+            if hi > 2**30:
+                return None
+        lo = hi // 2  # not bound (or 0)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if bound(mid) else (mid, hi)
+        return hi * ga
+
+
+@dataclass(frozen=True)
+class Plan:
+    config: str
+    gpu: str
+    devices: int
+    n_params: int
+    memory: Memory
+    mfu: float
+    mfu_source: str
+    fused_attention: bool
+    bucket_bytes: tuple[int, ...]
+    step: Step  # at the requested device count
+    scaling: tuple[Step, ...]  # N = 1, 2, 4, ..., 1024 at the same per-device batch
+    interconnect_note: str
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["memory"]["total"] = self.memory.total
+        return out
+
+
+def calibrated_mfu(run_dir: str | Path) -> tuple[float, str]:
+    """The median MFU over a run's metrics.jsonl records, and a sentence saying where it came from."""
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise ConfigError(f"--calibrate {run_dir}: no metrics.jsonl there (a `jdp train` run directory has one)")
+    values = [r["mfu"] for r in read_metrics(path) if isinstance(r.get("mfu"), (int, float)) and r["mfu"] > 0]
+    if not values:
+        raise ConfigError(f"--calibrate {run_dir}: no record in metrics.jsonl has an mfu (the run was too short?)")
+    mfu = statistics.median(values)
+    summary = run_dir / "summary.json"
+    devices = json.loads(summary.read_text()).get("devices") if summary.is_file() else None
+    where = f" on {devices} device(s)" if devices else ""
+    note = f"calibrated: median MFU of {len(values)} records of {path}{where}"
+    if devices and devices > 1:
+        note += " (its MFU includes that run's exposed all-reduce, so the compute term is conservative)"
+    return mfu, note
+
+
+def make_planner(
+    cfg: Config,
+    gpu: str = "H100",
+    interconnect: str | None = None,
+    bandwidth_gbs: float | None = None,
+    mfu: float = DEFAULT_MFU,
+) -> Planner:
+    """The planner for a config on a GPU; traces the model once (shapes only) for the gradient buckets."""
+    if cfg.parallel.strategy != "ddp":
+        raise ConfigError("jdp plan models parallel.strategy=ddp (dp gathers to a master instead)")
+    peak = gpu_spec(gpu).peak_flops(cfg.model.dtype)
+    link_for(gpu_spec(gpu), 2, interconnect, bandwidth_gbs)  # an unknown interconnect fails here, up front
+    if bandwidth_gbs is not None and not bandwidth_gbs > 0:
+        raise ConfigError(f"--bandwidth {bandwidth_gbs} must be positive (GB/s)")
+    if not 0 < mfu <= 1:
+        raise ConfigError(f"MFU {mfu} must be in (0, 1]")
+    graphdef, params, rest, opt_state = abstract_state(cfg)
+    micro = {
+        k: jax.ShapeDtypeStruct((1, cfg.data.seq_len), dtype)
+        for k, dtype in (("inputs", jnp.int32), ("targets", jnp.int32), ("weights", jnp.float32))
+    }
+    p = cfg.parallel
+    buckets = parallel.bucket_plan(graphdef, lm_loss, params, rest, micro, p.bucket_mb, p.reduce_dtype)
+    return Planner(
+        cfg=cfg,
+        gpu=gpu,
+        peak=peak,
+        mfu=mfu,
+        n_params=sum(math.prod(x.shape) for x in jax.tree.leaves(params)),
+        param_bytes=tree_bytes(params),
+        opt_bytes=tree_bytes(opt_state),
+        bucket_bytes=tuple(b.nbytes for b in buckets),
+        interconnect=interconnect,
+        bandwidth_gbs=bandwidth_gbs,
+    )
+
+
+def make_plan(
+    cfg: Config,
+    devices: int,
+    gpu: str = "H100",
+    interconnect: str | None = None,
+    bandwidth_gbs: float | None = None,
+    mfu: float | None = None,
+    calibrate: str | Path | None = None,
+    config_name: str = "",
+    ns: tuple[int, ...] = SCALING_NS,
+) -> Plan:
+    """The whole plan for `devices` GPUs: memory per device, the step at that N, and the scaling table."""
+    if devices < 1:
+        raise ConfigError(f"--devices {devices} must be at least 1")
+    derived = validate(cfg, devices)  # the per-device batch, exactly as `jdp train` would derive it
+    if calibrate is not None:
+        mfu, mfu_source = calibrated_mfu(calibrate)
+        run_config = Path(calibrate) / "config.yaml"
+        if run_config.is_file() and load_config(run_config).model != cfg.model:
+            mfu_source += "; note: that run trained a different model (its config.yaml), so its MFU may not carry over"
+    elif mfu is not None:
+        mfu_source = "given with --mfu"
+    else:
+        mfu, mfu_source = DEFAULT_MFU, "assumed (--mfu or --calibrate RUN_DIR to change)"
+    planner = make_planner(cfg, gpu, interconnect, bandwidth_gbs, mfu)
+    # On GPUs "auto" is cuDNN's fused kernel, which jax uses for 16-bit compute dtypes only.
+    fused = cfg.model.attention in ("auto", "cudnn") and cfg.model.dtype != "float32"
+    memory = Memory(
+        params=planner.param_bytes,
+        grads=planner.param_bytes,  # one gradient per parameter, in the parameter's dtype
+        accumulator=planner.param_bytes if cfg.train.grad_accum > 1 else 0,
+        opt_state=planner.opt_bytes,
+        activations=activation_bytes(cfg, derived.micro_batch, fused),
+    )
+    b = derived.per_device_batch
+
+    def with_bound(n: int) -> Step:
+        return dataclasses.replace(planner.step(n, b), compute_bound_batch=planner.compute_bound_batch(n))
+
+    if interconnect or bandwidth_gbs:
+        note = f"all-reduce over {interconnect or f'{bandwidth_gbs:g} GB/s'} for every N"
+    else:
+        g = gpu_spec(gpu)
+        note = f"all-reduce over {g.intra} up to {g.per_node} GPUs (one node), the slower of {g.intra} and {g.inter} beyond"
+    return Plan(
+        config=config_name,
+        gpu=gpu,
+        devices=devices,
+        n_params=planner.n_params,
+        memory=memory,
+        mfu=mfu,
+        mfu_source=mfu_source,
+        fused_attention=fused,
+        bucket_bytes=planner.bucket_bytes,
+        step=with_bound(devices),
+        scaling=tuple(with_bound(n) for n in ns),
+        interconnect_note=note,
+    )
+
+
+# ---- Output ----
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}"
+
+
+def format_plan(plan: Plan, cfg: Config) -> str:
+    """The printout of `jdp plan`: memory, the step at the requested N, the compute-bound batch, the table."""
+    m, t, s, gpu = plan.memory, cfg.train, plan.step, gpu_spec(plan.gpu)
+    L, ga = cfg.data.seq_len, t.grad_accum
+    micro = s.per_device_batch // ga
+    split = f"in {ga} micro-batches of {micro}" if ga > 1 else "in one micro-batch"
+    attention = "fused (cuDNN) attention" if plan.fused_attention else f"attention probabilities {micro}x{L}x{L}"
+    pdtype = cfg.model.param_dtype
+    lines = [
+        f"jdp plan: {plan.config or 'config'} ({plan.n_params:,} parameters) on {plan.devices} x {plan.gpu}",
+        f"weak scaling: every device keeps {s.per_device_batch} sequences x {L} tokens per step "
+        f"(train.batch_size={t.batch_size} on {plan.devices} devices), {split}",
+        "",
+        f"memory per device ({plan.gpu}: {gpu.memory_gb:g} GB)",
+        f"  parameters        {pdtype:<9} {_size(m.params):>10}   exact, from the model's shapes",
+        f"  gradients         {pdtype:<9} {_size(m.grads):>10}   exact",
+    ]
+    if m.accumulator:
+        lines.append(
+            f"  grad accumulator  {pdtype:<9} {_size(m.accumulator):>10}   train.grad_accum={ga}: the running sum"
+        )
+    lines += [
+        f"  optimizer state   {cfg.optim.name:<9} {_size(m.opt_state):>10}   exact, from optimizer.init's shapes",
+        f"  activations       {cfg.model.dtype:<9} {_size(m.activations):>10}   estimate for one micro-batch of "
+        f"{micro} x {L} tokens, {attention}",
+        f"  total                       {_size(m.total):>10}   {fit_note(m.total, plan.gpu)}",
+        "",
+        f"step on {plan.devices} x {plan.gpu}: MFU {plan.mfu:.1%} {plan.mfu_source}",
+        f"  compute     {_ms(s.compute_s):>9} ms   {flops_per_token(cfg) / 1e6:,.1f} MFLOP/token x "
+        f"{s.per_device_batch * L:,} tokens at {plan.mfu:.1%} of {gpu.peak_flops(cfg.model.dtype) / 1e12:g} "
+        f"TFLOP/s ({cfg.model.dtype})",
+    ]
+    p = cfg.parallel
+    if plan.devices > 1:
+        grad_bytes = plan.n_params * jnp.dtype(p.reduce_dtype).itemsize
+        n = plan.devices
+        lines.append(
+            f"  all-reduce  {_ms(s.comm_s):>9} ms   ring: 2({n}-1)/{n} x {_size(grad_bytes)} of {p.reduce_dtype} "
+            f"gradients / {s.busbw_gbs:g} GB/s ({s.link}) = {_ms(s.allreduce_s)} ms, + {_ms(s.latency_s)} ms "
+            f"latency of {len(plan.bucket_bytes)} bucket(s) (parallel.bucket_mb={p.bucket_mb:g})"
+        )
+        how = (
+            "the last bucket, or what does not fit inside backward (2/3 of compute)"
+            if ga == 1
+            else f"all of it: with train.grad_accum={ga} jdp reduces after the accumulation loop"
+        )
+        lines.append(f"  exposed     {_ms(s.exposed_s):>9} ms   {how}")
+    else:
+        lines.append(f"  all-reduce  {_ms(0):>9} ms   one device: nothing to reduce")
+    lines += [
+        f"  step        {_ms(s.step_s):>9} ms   {s.tokens_per_s:,.0f} tokens/s, scaling efficiency {s.efficiency:.1%}",
+        "",
+    ]
+    if s.compute_bound_batch is not None:
+        b = s.compute_bound_batch
+        act = activation_bytes(cfg, b // ga, plan.fused_attention)
+        lines.append(
+            f"smallest per-device batch that keeps {plan.devices} x {plan.gpu} compute-bound (exposed all-reduce "
+            f"<= {COMPUTE_BOUND:.0%} of the step; multiples of train.grad_accum={ga}): {b} sequences; memory "
+            f"{fit_note(m.total - m.activations + act, plan.gpu)}"
+        )
+    lines += [
+        "",
+        f"scaling at {s.per_device_batch} sequences per device ({plan.interconnect_note}):",
+        _table(plan.scaling, plan.devices),
+    ]
+    return "\n".join(lines)
+
+
+def _table(steps, mark: int | None = None) -> str:
+    head = (
+        f"{'N':>6}  {'link':<14} {'bus GB/s':>8}  {'compute ms':>10}  {'all-reduce ms':>13}  {'exposed ms':>10}  "
+        f"{'tokens/s':>14}  {'efficiency':>10}  {'compute-bound from':>18}"
+    )
+    rows = [head]
+    for s in steps:
+        n = f"{s.devices}{'*' if s.devices == mark else ' '}"
+        bound = f"{s.compute_bound_batch} seq" if s.compute_bound_batch else "-"
+        bw = f"{s.busbw_gbs:g}" if s.devices > 1 else "-"
+        rows.append(
+            f"{n:>6}  {s.link:<14} {bw:>8}  {_ms(s.compute_s):>10}  {_ms(s.comm_s):>13}  {_ms(s.exposed_s):>10}  "
+            f"{s.tokens_per_s:>14,.0f}  {s.efficiency:>10.1%}  {bound:>18}"
+        )
+    if mark in [s.devices for s in steps]:
+        rows.append("(* the requested N)")
+    return "\n".join(rows)
+
+
+def markdown_table(cfg: Config, gpu: str = "H100", ns=(8, 64, 512), devices: int | None = None, **kw) -> str:
+    """The scaling rows for `ns` as a Markdown table (for the README), at the per-device batch the config has
+    on `devices` GPUs (default: the first of ns)."""
+    plan = make_plan(cfg, devices or ns[0], gpu, ns=tuple(ns), **kw)
+    rows = [
+        "| GPUs | all-reduce over | per-device batch | compute ms | all-reduce ms | exposed ms | step ms | "
+        "tokens/s | efficiency | compute-bound from (sequences per device) |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in plan.scaling:
+        link = f"{s.link} ({s.busbw_gbs:g} GB/s)" if s.devices > 1 else "-"
+        rows.append(
+            f"| {s.devices} x {gpu} | {link} | {s.per_device_batch} | {_ms(s.compute_s)} | {_ms(s.comm_s)} | "
+            f"{_ms(s.exposed_s)} | {_ms(s.step_s)} | {s.tokens_per_s:,.0f} | {s.efficiency:.1%} | "
+            f"{s.compute_bound_batch or '-'} |"
+        )
+    return "\n".join(rows)
+
+
+# ---- Command line ----
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("args", nargs="*", metavar="[CONFIG] [section.key=value ...]")
+    parser.add_argument("--devices", type=int, required=True, help="the number of GPUs to plan for")
+    parser.add_argument("--gpu", default="H100", help=f"one of {', '.join(GPUS)} (default H100)")
+    link = parser.add_mutually_exclusive_group()
+    link.add_argument("--interconnect", help=f"all-reduce over this link for every N: {', '.join(INTERCONNECTS)}")
+    link.add_argument("--bandwidth", type=float, metavar="GBPS", help="all-reduce bus bandwidth in GB/s, every N")
+    mfu = parser.add_mutually_exclusive_group()
+    mfu.add_argument("--mfu", type=float, help=f"assumed model FLOPs utilisation (default {DEFAULT_MFU})")
+    mfu.add_argument("--calibrate", metavar="RUN_DIR", help="use the median MFU measured in a run's metrics.jsonl")
+    parser.add_argument("--json", action="store_true", help="also print the plan as one JSON line")
+
+
+def run(args: argparse.Namespace) -> int:
+    config, overrides = DEFAULT_CONFIG, list(args.args)
+    if overrides and "=" not in overrides[0]:
+        config = overrides.pop(0)
+    cfg = load_config(config, overrides)
+    plan = make_plan(
+        cfg,
+        args.devices,
+        args.gpu,
+        args.interconnect,
+        args.bandwidth,
+        args.mfu,
+        args.calibrate,
+        config_name=config,
+        ns=tuple(sorted({*SCALING_NS, args.devices})),
+    )
+    print(format_plan(plan, cfg))
+    if args.json:
+        print(json.dumps(plan.to_dict()))
+    return 0

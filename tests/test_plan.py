@@ -1,0 +1,223 @@
+"""jdp plan: exact state bytes, the activation estimate against the compiled step, the ring formula, scaling."""
+
+import argparse
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jdp import parallel, plan
+from jdp.config import ConfigError, load_config, save_config
+from jdp.model import GPT, lm_loss
+from jdp.optim import make_optimizer
+from jdp.train import batch_spec, build
+
+TINY = ["train.batch_size=8"]
+
+
+@pytest.fixture(scope="module")
+def tiny_planner():
+    return plan.make_planner(load_config("tiny", TINY))
+
+
+def test_state_bytes_equal_the_real_pytrees(tiny_planner):
+    cfg = tiny_planner.cfg
+    graphdef, params, rest = nnx.split(GPT(cfg.model, nnx.Rngs(0)), nnx.Param, ...)
+    batch = {
+        "inputs": np.zeros((1, 8), np.int32),
+        "targets": np.zeros((1, 8), np.int32),
+        "weights": np.ones((1, 8), np.float32),
+    }
+    grads = jax.jit(jax.grad(lambda p: lm_loss(nnx.merge(graphdef, p, rest), batch)[0]))(params)
+    opt_state = make_optimizer(cfg.optim, cfg.train.steps)[0].init(params)
+    memory = plan.make_plan(cfg, 1).memory
+    assert memory.params == tiny_planner.param_bytes == sum(x.nbytes for x in jax.tree.leaves(params))
+    assert memory.grads == sum(x.nbytes for x in jax.tree.leaves(grads))
+    assert memory.opt_state == sum(x.nbytes for x in jax.tree.leaves(opt_state))
+    assert memory.accumulator == 0  # train.grad_accum=1
+
+
+def test_gpt2_small_state_bytes():
+    cfg = load_config("gpt2-small")
+    p = plan.make_planner(cfg)
+    # 50304 x 768 tied embedding + 1024 x 768 positions + 12 x 7,080,960 per block + the final norm's 1,536.
+    assert p.n_params == 124_392_960
+    _, params, _, _ = plan.abstract_state(cfg)
+    opt_state = jax.eval_shape(make_optimizer(cfg.optim, cfg.train.steps)[0].init, params)
+    assert p.param_bytes == 4 * 124_392_960 == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    assert p.opt_bytes == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(opt_state))
+    assert p.opt_bytes == 2 * p.param_bytes + 8  # AdamW's mu and nu, and two int32 step counts
+    memory = plan.make_plan(cfg, 8).memory
+    assert memory.accumulator == memory.grads == p.param_bytes  # train.grad_accum=8 keeps a running sum
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        # float32 compute: XLA:CPU computes bfloat16 through float32 copies, so only a GPU can check those.
+        ["model.n_layers=2", "model.d_model=64", "data.seq_len=64", "model.max_seq_len=64", "train.batch_size=8"],
+        [
+            "model.n_layers=2",
+            "model.d_model=96",
+            "model.n_heads=3",
+            "model.mlp_ratio=2",
+            "data.seq_len=32",
+            "model.max_seq_len=32",
+            "train.batch_size=16",
+            "train.grad_accum=2",
+        ],
+    ],
+    ids=["2x64-L64-B8", "2x96-L32-B16-accum2"],
+)
+def test_activation_estimate_matches_the_compiled_step(overrides):
+    """The compiled step's arguments are the state and the batch, its outputs alias the donated state, and its
+    temporaries peak at the start of backward: the activations (gradients reuse their memory as backward frees
+    it), plus the gradient accumulator with train.grad_accum > 1."""
+    cfg = load_config("tiny", overrides)
+    mesh = parallel.make_mesh(jax.devices()[:1])
+    _, state, train_step, _ = build(cfg, mesh)
+    temp = train_step.lower(state, batch_spec(cfg, mesh)).compile().memory_analysis().temp_size_in_bytes
+    accumulator = sum(x.nbytes for x in jax.tree.leaves(state.params)) if cfg.train.grad_accum > 1 else 0
+    micro = cfg.train.batch_size // cfg.train.grad_accum
+    estimate = plan.activation_bytes(cfg, micro, fused_attention=False)  # CPUs run the einsum attention
+    error = (estimate - (temp - accumulator)) / (temp - accumulator)
+    print(f"{overrides}: estimate {estimate:,} bytes, compiled {temp - accumulator:,} bytes, error {error:+.1%}")
+    assert abs(error) <= 0.30
+
+
+def test_fused_attention_drops_the_quadratic_term():
+    cfg = load_config("gpt2-small")
+    m, L = cfg.model, cfg.data.seq_len
+    difference = plan.activation_bytes(cfg, 8, False) - plan.activation_bytes(cfg, 8, True)
+    assert difference == m.n_layers * 8 * m.n_heads * L * (2 * L - 1) * 4
+
+
+@pytest.mark.parametrize("reduce_dtype", ["float32", "bfloat16"])
+def test_communication_is_the_ring_formula(reduce_dtype):
+    cfg = load_config("tiny", [*TINY, f"parallel.reduce_dtype={reduce_dtype}", "parallel.bucket_mb=0.5"])
+    grad_bytes = 846_080 * (4 if reduce_dtype == "float32" else 2)
+    bare = plan.make_planner(cfg, bandwidth_gbs=50.0)  # a bare bandwidth has no latency term
+    named = plan.make_planner(cfg, interconnect="ib-ndr")
+    assert sum(bare.bucket_bytes) == grad_bytes and len(bare.bucket_bytes) > 1
+    for n in (2, 3, 8, 64, 1000):
+        s = bare.step(n, 8)
+        assert math.isclose(s.allreduce_s, 2 * (n - 1) / n * grad_bytes / 50e9, rel_tol=1e-12)
+        assert s.latency_s == 0 and s.comm_s == s.allreduce_s
+        t = named.step(n, 8)
+        assert math.isclose(t.allreduce_s, 2 * (n - 1) / n * grad_bytes / 368e9, rel_tol=1e-12)
+        assert math.isclose(t.latency_s, len(named.bucket_bytes) * 30e-6, rel_tol=1e-12)
+    for p in (bare, named):
+        one = p.step(1, 8)
+        assert one.allreduce_s == one.latency_s == one.exposed_s == 0
+        assert one.step_s == one.compute_s
+
+
+def test_the_ring_crosses_the_network_beyond_one_node():
+    p = plan.make_planner(load_config("gpt2-small"))
+    assert [p.step(n, 64).link for n in (2, 8, 16, 512)] == ["nvlink4", "nvlink4", "ib-ndr", "ib-ndr"]
+    assert p.step(16, 64).busbw_gbs == min(
+        plan.INTERCONNECTS["nvlink4"].busbw_gbs, plan.INTERCONNECTS["ib-ndr"].busbw_gbs
+    )
+    a100 = plan.make_planner(load_config("gpt2-small"), gpu="A100")
+    assert a100.step(64, 64).busbw_gbs == plan.INTERCONNECTS["ib-hdr"].busbw_gbs
+
+
+@pytest.mark.parametrize("grad_accum", [1, 4])
+def test_efficiency_starts_at_one_and_never_rises(grad_accum):
+    cfg = load_config("tiny", ["train.batch_size=32", f"train.grad_accum={grad_accum}"])
+    result = plan.make_plan(cfg, 4, interconnect="ethernet-100g")
+    effs = [s.efficiency for s in result.scaling]
+    assert [s.devices for s in result.scaling] == [2**k for k in range(11)]
+    assert effs[0] == 1.0 and all(b <= a for a, b in zip(effs, effs[1:], strict=False)) and effs[-1] < 1
+    one = result.scaling[0]
+    for s in result.scaling:
+        assert s.per_device_batch == 8  # weak scaling: the per-device batch of 32 sequences on 4 devices
+        assert math.isclose(s.tokens_per_s, s.devices * one.tokens_per_s * s.efficiency, rel_tol=1e-12)
+        assert math.isclose(s.step_s, s.compute_s + s.exposed_s, rel_tol=1e-12)
+        if grad_accum > 1:  # jdp reduces after the accumulation loop: nothing hides
+            assert math.isclose(s.exposed_s, s.comm_s, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("grad_accum", [1, 4])
+def test_compute_bound_batch(grad_accum):
+    cfg = load_config("tiny", ["train.batch_size=32", f"train.grad_accum={grad_accum}"])
+    p = plan.make_planner(cfg, bandwidth_gbs=0.5)
+    b = p.compute_bound_batch(8)
+    assert b is not None and b % grad_accum == 0 and b > grad_accum
+
+    def exposed_share(batch):
+        s = p.step(8, batch)
+        return s.exposed_s / s.step_s
+
+    assert exposed_share(b) <= plan.COMPUTE_BOUND < exposed_share(b - grad_accum)
+    assert p.compute_bound_batch(1) == grad_accum  # one device has nothing to reduce
+
+
+def test_calibration_from_a_run_directory(tmp_path):
+    records = [
+        {"step": 1, "loss": 5.0, "tokens_per_sec": None, "mfu": None},
+        {"step": 10, "loss": 4.0, "tokens_per_sec": 1000.0, "mfu": 0.2},
+        {"step": 10, "eval_loss": 4.1, "eval_tokens": 100},
+        {"step": 20, "loss": 3.0, "tokens_per_sec": 1100.0, "mfu": 0.25},
+        {"step": 30, "loss": 2.0, "tokens_per_sec": 1200.0, "mfu": 0.3},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "summary.json").write_text(json.dumps({"devices": 4}))
+    cfg = load_config("tiny", TINY)
+    assumed = plan.make_plan(cfg, 2)
+    calibrated = plan.make_plan(cfg, 2, calibrate=tmp_path)
+    assert assumed.mfu == plan.DEFAULT_MFU and calibrated.mfu == 0.25  # the median of the measured MFUs
+    assert math.isclose(calibrated.step.compute_s, assumed.step.compute_s * plan.DEFAULT_MFU / 0.25, rel_tol=1e-12)
+    assert "calibrated" in calibrated.mfu_source and "4 device(s)" in calibrated.mfu_source
+    assert str(tmp_path / "metrics.jsonl") in calibrated.mfu_source and "different model" not in calibrated.mfu_source
+    save_config(load_config("tiny", ["model.d_model=64"]), tmp_path)  # the run trained another model
+    assert "different model" in plan.make_plan(cfg, 2, calibrate=tmp_path).mfu_source
+    with pytest.raises(ConfigError, match="metrics.jsonl"):
+        plan.make_plan(cfg, 2, calibrate=tmp_path / "missing")
+
+
+def test_unknown_gpu_or_interconnect_lists_the_known_ones():
+    cfg = load_config("tiny", TINY)
+    with pytest.raises(ConfigError) as gpu:
+        plan.make_planner(cfg, gpu="H900")
+    assert all(name in str(gpu.value) for name in plan.GPUS)
+    with pytest.raises(ConfigError) as link:
+        plan.make_planner(cfg, interconnect="nvlink9")
+    assert all(name in str(link.value) for name in plan.INTERCONNECTS)
+
+
+def _parser():
+    parser = argparse.ArgumentParser(prog="jdp plan")
+    plan.add_arguments(parser)
+    return parser
+
+
+def test_run_prints_memory_step_and_the_scaling_table(capsys):
+    args = _parser().parse_args(["tiny", "train.batch_size=16", "--devices", "4", "--gpu", "A100", "--json"])
+    assert plan.run(args) == 0
+    out = capsys.readouterr().out
+    for text in ("parameters", "optimizer state", "activations", "total", "compute", "all-reduce", "exposed"):
+        assert text in out
+    assert "MFU 50.0% assumed" in out and "compute-bound" in out and "weak scaling" in out
+    table = out[out.index("scaling at 4 sequences per device") :]
+    ns = [line.split()[0] for line in table.splitlines()[2:] if line.strip()[:1].isdigit()]
+    assert ns == ["1", "2", "4*", "8", "16", "32", "64", "128", "256", "512", "1024"]
+    data = json.loads(out.strip().splitlines()[-1])
+    assert data["devices"] == 4 and [s["devices"] for s in data["scaling"]] == [2**k for k in range(11)]
+    assert data["memory"]["total"] == sum(v for k, v in data["memory"].items() if k != "total")
+
+
+def test_run_rejects_two_bandwidth_sources_and_bad_batches():
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--devices", "2", "--interconnect", "nvlink4", "--bandwidth", "10"])
+    with pytest.raises(ConfigError, match="train.batch_size"):
+        plan.run(_parser().parse_args(["tiny", "train.batch_size=8", "--devices", "3"]))
+
+
+def test_markdown_table_for_the_readme():
+    text = plan.markdown_table(load_config("gpt2-small"), "H100", (8, 64, 512))
+    rows = text.splitlines()
+    assert len(rows) == 5 and rows[2].startswith("| 8 x H100 | nvlink4") and rows[4].startswith("| 512 x H100 | ib-ndr")
