@@ -145,10 +145,12 @@ class Launcher:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,  # its own process group: we can stop it and everything it started
-                # XLA:CPU sizes its thread pool to the cores it may run on: give each worker its own share
-                # (torchrun's OMP_NUM_THREADS=1, done per core set), instead of every worker using every core.
-                preexec_fn=(lambda c=pin: os.sched_setaffinity(0, c)) if pin else None,
             )
+            if pin:
+                # XLA:CPU sizes its thread pool to the cores it may run on, when JAX first touches a device
+                # (seconds after start): give each worker its own share (torchrun's OMP_NUM_THREADS=1, done
+                # per core set) instead of every worker using every core. Threads inherit the mask.
+                os.sched_setaffinity(proc.pid, pin)
             w = Worker(rank, local, proc)
             w.threads = [
                 threading.Thread(target=_pump, args=(w, proc.stdout, sys.stdout.buffer, False), daemon=True),

@@ -116,7 +116,9 @@ def cli_metrics(tmp_path, n_devices, cache):
 @pytest.mark.slow
 def test_cli_same_metrics_on_one_and_four_devices(cache, tmp_path):
     one, four = cli_metrics(tmp_path, 1, cache), cli_metrics(tmp_path, 4, cache)
-    assert [r["step"] for r in one] == [r["step"] for r in four] == [1, 2, 3, 3, 4, 5, 6, 6]
+    # Steps 1-6, evaluations at 3 and 6, and the goodput summary at 6.
+    assert [r["step"] for r in one] == [r["step"] for r in four] == [1, 2, 3, 3, 4, 5, 6, 6, 6]
+    assert "goodput" in one[-1] and "goodput" in four[-1]
     for a, b in zip(one, four, strict=True):
         for key in ("loss", "grad_norm", "eval_loss"):
             if key in a:
@@ -142,5 +144,5 @@ def test_streaming_training_end_to_end(tmp_path, cache):
     )
     result = train(cfg)
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
-    assert [r["step"] for r in records] == [2, 4, 4]
-    assert records[-1]["eval_tokens"] > 0 and result["loss"] < 6
+    assert [r["step"] for r in records] == [2, 4, 4, 4]  # logs, the final evaluation, the goodput summary
+    assert records[-2]["eval_tokens"] > 0 and result["loss"] < 6 and "goodput" in records[-1]
