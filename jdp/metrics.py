@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from pathlib import Path
 
 import jax
@@ -100,7 +101,7 @@ class MetricsLog:
             import wandb
 
             id_file = self.path.parent / "wandb-run-id"  # the same W&B run across restarts of this run
-            run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+            run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
             id_file.write_text(run_id)
             self._wandb = wandb.init(
                 project=wandb_project,

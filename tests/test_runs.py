@@ -100,3 +100,22 @@ def test_wandb_requested_but_not_installed_is_a_config_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` fail
     with pytest.raises(ConfigError, match="pip install wandb"):
         validate(load_config("tiny", ["train.wandb_project=mine"]), n_devices=1)
+
+
+def test_wandb_offline_run_gets_every_record_and_keeps_its_id_across_restarts(tmp_path, monkeypatch):
+    from jdp.metrics import MetricsLog
+
+    monkeypatch.setenv("WANDB_MODE", "offline")  # no network: W&B writes its run file locally
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    path = tmp_path / "run" / "metrics.jsonl"
+    for attempt in range(2):  # a run and its resumption
+        log = MetricsLog(path, tensorboard=False, wandb_project="jdp-test", config={"attempt": attempt})
+        log.write({"step": 1 + 2 * attempt, "loss": 2.5, "tokens_per_sec": None})
+        log.write({"step": 2 + 2 * attempt, "eval_loss": 2.25, "goodput": {"goodput": 0.5}})
+        log.close()
+    run_id = (tmp_path / "run" / "wandb-run-id").read_text()
+    files = sorted((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 2 and all(f.name == f"run-{run_id}.wandb" for f in files)  # one W&B run, resumed
+    data = files[-1].read_bytes()
+    assert all(tag in data for tag in (b"train/loss", b"eval/loss", b"goodput/goodput"))
+    assert b"train/tokens_per_sec" not in data  # None is not a number to chart
