@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import sys
 import time
@@ -51,12 +52,27 @@ class Checkpoints:
     An error in a background save is raised by the next `save` or by `wait`, never swallowed.
     """
 
-    def __init__(self, run_dir: str | Path, keep: int):
+    def __init__(self, run_dir: str | Path, keep: int, read_only: bool = False):
+        """read_only: only restore (jdp generate): create, clean up and move nothing, since a training run may
+        be writing its next checkpoint into this directory right now; damaged ones are skipped, left in place."""
         self.dir = Path(run_dir).absolute() / "checkpoints"
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, cleanup_tmp_directories=True, enable_async_checkpointing=True
-        )
-        self.manager = ocp.CheckpointManager(self.dir, options=options)
+        self.read_only = read_only
+        if read_only:
+            options = ocp.CheckpointManagerOptions(
+                read_only=True, create=False, cleanup_tmp_directories=False, enable_async_checkpointing=False
+            )
+        else:
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=keep, create=True, cleanup_tmp_directories=True, enable_async_checkpointing=True
+            )
+        absl_log = logging.getLogger("absl")
+        level = absl_log.level
+        if read_only:
+            absl_log.setLevel(logging.ERROR)  # orbax warns that the directory is read-only: that is the point
+        try:
+            self.manager = ocp.CheckpointManager(self.dir, options=options)
+        finally:
+            absl_log.setLevel(level)
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -113,6 +129,8 @@ class Checkpoints:
 
     def _set_aside(self, steps: list[int]) -> None:
         """Move damaged checkpoints to RUN_DIR/damaged-checkpoints (kept for inspection, out of the way)."""
+        if self.read_only:
+            return
         if steps and jax.process_index() == 0:
             aside = self.dir.parent / "damaged-checkpoints"
             aside.mkdir(exist_ok=True)

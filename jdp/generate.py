@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import logging
 import sys
 import time
 from pathlib import Path
@@ -24,36 +23,6 @@ from jdp.train import build
 Tokenizer = ByteTokenizer | HFTokenizer
 
 
-class _ReadOnlyCheckpoints(Checkpoints):
-    """The run's checkpoints, opened read-only: sampling never creates, cleans up or moves anything.
-
-    A training run may be writing its next checkpoint right now; a writable manager would delete its
-    temporary directory. Damaged checkpoints are skipped (with restore_latest's warning) but left in place.
-    """
-
-    def __init__(self, run_dir: str | Path):
-        import orbax.checkpoint as ocp
-
-        self.dir = Path(run_dir).absolute() / "checkpoints"
-        options = ocp.CheckpointManagerOptions(
-            read_only=True,
-            create=False,
-            cleanup_tmp_directories=False,
-            save_interval_steps=0,
-            enable_async_checkpointing=False,
-        )
-        absl_log = logging.getLogger("absl")
-        level = absl_log.level
-        absl_log.setLevel(logging.ERROR)  # orbax warns that the directory is read-only: that is the point
-        try:
-            self.manager = ocp.CheckpointManager(self.dir, options=options)
-        finally:
-            absl_log.setLevel(level)
-
-    def _set_aside(self, steps: list[int]) -> None:
-        pass
-
-
 def load_run(run_dir: str | Path) -> tuple[Config, GPT, Tokenizer, int]:
     """(config, model with the latest checkpoint's parameters, tokenizer, that checkpoint's step), on one device.
 
@@ -67,7 +36,7 @@ def load_run(run_dir: str | Path) -> tuple[Config, GPT, Tokenizer, int]:
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     if not (run_dir / "checkpoints").is_dir():
         raise ConfigError(f"{run_dir} has no checkpoint yet (no {run_dir / 'checkpoints'}); train it first")
-    ckpts = _ReadOnlyCheckpoints(run_dir)
+    ckpts = Checkpoints(run_dir, keep=1, read_only=True)  # a training run may be writing next to us
     try:
         steps = ckpts.steps()
         if not steps:
