@@ -8,9 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from jdp.config import ConfigError
-
-DEFAULT_CONFIG = "tiny"
+from jdp.config import ConfigError, split_config_args
 
 
 def _device_ids(text: str) -> tuple[int, ...]:
@@ -22,9 +20,7 @@ def _train(args: argparse.Namespace) -> int:
     from jdp.config import load_config
     from jdp.train import RunError, train
 
-    config, overrides = DEFAULT_CONFIG, list(args.args)
-    if overrides and "=" not in overrides[0]:
-        config = overrides.pop(0)
+    config, overrides = split_config_args(args.args)
     cfg = load_config(config, overrides)
     parallel.set_xla_flags(cfg.parallel.bucket_mb)  # before JAX first touches a device
     try:
@@ -53,9 +49,7 @@ def _allreduce(args: argparse.Namespace) -> int:
     from jdp.config import load_config
     from jdp.train import all_reduce_report
 
-    config, overrides = DEFAULT_CONFIG, list(args.args)
-    if overrides and "=" not in overrides[0]:
-        config = overrides.pop(0)
+    config, overrides = split_config_args(args.args)
     cfg = load_config(config, overrides)
     parallel.set_xla_flags(cfg.parallel.bucket_mb)
     text, numbers = all_reduce_report(cfg)

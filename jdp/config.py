@@ -163,6 +163,17 @@ def resolve_config_path(name: str) -> Path:
     raise ConfigError(f"config file {name!r} not found (looked in: {', '.join(str(p) for p in candidates)})")
 
 
+DEFAULT_CONFIG = "tiny"  # what the commands train, plan or inspect when no CONFIG is given
+
+
+def split_config_args(args: list[str] | tuple[str, ...]) -> tuple[str, list[str]]:
+    """The commands' `[CONFIG] [section.key=value ...]`: (config name or path, overrides)."""
+    args = list(args)
+    if args and "=" not in args[0]:
+        return args[0], args[1:]
+    return DEFAULT_CONFIG, args
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Defaults, then the YAML file's values, then `section.key=value` overrides, in that order."""
     values: dict[str, dict[str, Any]] = {s: {} for s in _SECTION_TYPES}

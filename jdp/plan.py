@@ -28,12 +28,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jdp import parallel
-from jdp.config import Config, ConfigError, load_config, validate
+from jdp.config import Config, ConfigError, load_config, split_config_args, validate
 from jdp.metrics import GPU_PEAK_FLOPS, flops_per_token, read_metrics
 from jdp.model import GPT, lm_loss
 from jdp.optim import make_optimizer
 
-DEFAULT_CONFIG = "tiny"
 DEFAULT_MFU = 0.5  # a well-tuned dense transformer step reaches 40-60% of the datasheet peak
 COMPUTE_BOUND = 0.05  # "compute-bound": the exposed all-reduce is at most 5% of the step
 JAX_MEMORY_FRACTION = 0.75  # JAX preallocates this much of a GPU's memory by default (XLA_PYTHON_CLIENT_MEM_FRACTION)
@@ -565,9 +564,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config, overrides = DEFAULT_CONFIG, list(args.args)
-    if overrides and "=" not in overrides[0]:
-        config = overrides.pop(0)
+    config, overrides = split_config_args(args.args)
     cfg = load_config(config, overrides)
     plan = make_plan(
         cfg,

@@ -14,7 +14,7 @@ import argparse
 import time
 
 from jdp import parallel
-from jdp.config import load_config
+from jdp.config import load_config, split_config_args
 
 
 def main() -> None:
@@ -22,7 +22,7 @@ def main() -> None:
     ap.add_argument("args", nargs="*", metavar="[CONFIG] [section.key=value ...]")
     ap.add_argument("--steps", type=int, default=10)
     a = ap.parse_args()
-    config, overrides = ("tiny", a.args) if not a.args or "=" in a.args[0] else (a.args[0], a.args[1:])
+    config, overrides = split_config_args(a.args)
     cfg = load_config(config, ["train.run_dir=/dev/null", *overrides])
     parallel.set_xla_flags(cfg.parallel.bucket_mb)
 
