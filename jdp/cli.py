@@ -23,6 +23,7 @@ def _train(args: argparse.Namespace) -> int:
     config, overrides = split_config_args(args.args)
     cfg = load_config(config, overrides)
     parallel.set_xla_flags(cfg.parallel.bucket_mb)  # before JAX first touches a device
+    parallel.keep_scratch_memory()
     try:
         world = parallel.resolve_world(args.coordinator, args.num_processes, args.process_id, args.local_device_ids)
     except parallel.WorldError as e:

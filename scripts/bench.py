@@ -57,6 +57,7 @@ def _setup(config: str, overrides: list[str]):
 
     cfg = load_config(config, ["train.run_dir=/dev/null", "train.progress=false", *overrides])
     parallel.set_xla_flags(cfg.parallel.bucket_mb)  # as `jdp train` does, before jax touches a device
+    parallel.keep_scratch_memory()
     return cfg
 
 
@@ -219,8 +220,10 @@ def torch_ddp_tps(config: str, processes: int, batch: int, steps: int, dtype: st
     cmd += ["--global-batch", str(batch), "--steps", str(steps), "--dtype", dtype]
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     line = next((x for x in result.stdout.splitlines() if x.startswith("BENCH_JSON ")), None)
-    if result.returncode or line is None:
+    if line is None:
         raise RuntimeError(f"PyTorch DDP benchmark failed:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
+    if result.returncode:  # gloo sometimes aborts in teardown, after the timed steps and the report
+        print(f"[bench] note: PyTorch exited with {result.returncode} after reporting its timing", flush=True)
     return json.loads(line[len("BENCH_JSON ") :])["tokens_per_sec"]
 
 

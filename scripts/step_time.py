@@ -25,6 +25,7 @@ def main() -> None:
     config, overrides = split_config_args(a.args)
     cfg = load_config(config, ["train.run_dir=/dev/null", *overrides])
     parallel.set_xla_flags(cfg.parallel.bucket_mb)
+    parallel.keep_scratch_memory()
 
     import jax
     import numpy as np
