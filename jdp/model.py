@@ -35,17 +35,39 @@ def _norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
     return nnx.LayerNorm(cfg.d_model, epsilon=1e-5, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
 
 
-def causal_attention(q_BxHxLxK: jax.Array, k_BxHxLxK: jax.Array, v_BxHxLxK: jax.Array) -> jax.Array:
-    """softmax(q k^T / sqrt(K) + causal mask) v, written out in heads-major layout.
+def query_blocks(L: int) -> int:
+    """How many query blocks the written-out causal attention splits L into (blocks of 64 to L/8 queries)."""
+    size = max(64, L // 8)
+    return L // size if L % size == 0 else 1
 
-    On CPUs XLA runs this about 1.5x faster than jax.nn.dot_product_attention's generic path (fewer
-    transposes, an additive mask); on GPUs the fused cuDNN kernel wins, so "auto" picks per platform.
+
+def attention_scores(L: int) -> int:
+    """Query-key scores per sequence and head that causal_attention computes: L^2 (n + 1) / 2n with n blocks."""
+    n = query_blocks(L)
+    return (L // n) ** 2 * n * (n + 1) // 2
+
+
+def causal_attention(q_BxHxLxK: jax.Array, k_BxHxLxK: jax.Array, v_BxHxLxK: jax.Array) -> jax.Array:
+    """softmax(q k^T / sqrt(K) + causal mask) v, written out in heads-major layout, one query block at a time.
+
+    Query block i attends only keys up to the block's end, so the fully masked part of q k^T is never computed:
+    with 2 blocks (L = 128) a quarter of the attention work goes, with 8 (L >= 512) 44%. On CPUs XLA runs this
+    about 1.5x faster than jax.nn.dot_product_attention's generic path (fewer transposes, an additive mask);
+    on GPUs the fused cuDNN kernel wins, so "auto" picks per platform.
     """
     L, K = q_BxHxLxK.shape[-2:]
-    scores_BxHxLxL = jnp.einsum("bhlk,bhmk->bhlm", q_BxHxLxK * (K**-0.5), k_BxHxLxK)
-    mask_LxL = jnp.where(jnp.tril(jnp.ones((L, L), bool)), 0.0, -1e9).astype(scores_BxHxLxL.dtype)
-    probs_BxHxLxL = jax.nn.softmax((scores_BxHxLxL + mask_LxL).astype(jnp.float32), axis=-1)
-    return jnp.einsum("bhlm,bhmk->bhlk", probs_BxHxLxL.astype(v_BxHxLxK.dtype), v_BxHxLxK)
+    n = query_blocks(L)
+    Q = L // n
+    q_BxHxLxK = q_BxHxLxK * (K**-0.5)
+    outputs = []
+    for i in range(n):
+        end = (i + 1) * Q  # this block's queries see keys [0, end)
+        scores_BxHxQxE = jnp.einsum("bhqk,bhek->bhqe", q_BxHxLxK[:, :, i * Q : end], k_BxHxLxK[:, :, :end])
+        visible_QxE = jnp.arange(i * Q, end)[:, None] >= jnp.arange(end)[None, :]
+        mask_QxE = jnp.where(visible_QxE, 0.0, -1e9).astype(scores_BxHxQxE.dtype)
+        probs_BxHxQxE = jax.nn.softmax((scores_BxHxQxE + mask_QxE).astype(jnp.float32), axis=-1)
+        outputs.append(jnp.einsum("bhqe,bhek->bhqk", probs_BxHxQxE.astype(v_BxHxLxK.dtype), v_BxHxLxK[:, :, :end]))
+    return outputs[0] if n == 1 else jnp.concatenate(outputs, axis=2)
 
 
 class CausalSelfAttention(nnx.Module):

@@ -30,7 +30,7 @@ from flax import nnx
 from jdp import parallel
 from jdp.config import Config, ConfigError, load_config, split_config_args, validate
 from jdp.metrics import GPU_PEAK_FLOPS, flops_per_token, read_metrics
-from jdp.model import GPT, lm_loss
+from jdp.model import GPT, attention_scores, lm_loss
 from jdp.optim import make_optimizer
 
 DEFAULT_MFU = 0.5  # a well-tuned dense transformer step reaches 40-60% of the datasheet peak
@@ -152,7 +152,8 @@ def activation_bytes(cfg: Config, micro_batch: int, fused_attention: bool) -> in
     Per block, in the compute dtype (N = B L tokens, D width, r mlp_ratio): the residual stream into both
     norms (2 ND), both norm outputs (2 ND), q, k and v (3 ND), the attention output (ND), and the MLP's
     up-projection, its tanh (GELU's backward uses it) and the GELU output (3 r ND); then the softmax, in
-    float32: its exponentials and its probabilities (2 B H L^2), or only the B H L row statistics when the
+    float32: its exponentials and its probabilities (2 B H S, with S = model.attention_scores(L), about
+    L^2 (n + 1) / 2n for n query blocks), or only the B H L row statistics when the
     attention is fused (cuDNN). Outside the blocks: the embedding output and the final norm (3 ND), and the
     float32 logits and their exponentials for the loss (2 N V). No dropout, no recomputation.
     """
@@ -160,7 +161,7 @@ def activation_bytes(cfg: Config, micro_batch: int, fused_attention: bool) -> in
     N, D = micro_batch * L, m.d_model
     s = jnp.dtype(m.dtype).itemsize
     f32 = 4
-    softmax = micro_batch * m.n_heads * L * (1 if fused_attention else 2 * L) * f32
+    softmax = micro_batch * m.n_heads * (L if fused_attention else 2 * attention_scores(L)) * f32
     norm_stats = 2 * 2 * N * f32  # mean and 1/std of both norms
     block = (8 + 3 * m.mlp_ratio) * N * D * s + softmax + norm_stats
     outside = 3 * N * D * s + 2 * N * m.vocab_size * f32

@@ -3,10 +3,11 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from jdp.config import ModelConfig
-from jdp.model import GPT, count_params, lm_loss
+from jdp.model import GPT, attention_scores, causal_attention, count_params, lm_loss, query_blocks
 
 CFG = ModelConfig(vocab_size=64, max_seq_len=16, d_model=32, n_layers=2, n_heads=4)
 
@@ -22,6 +23,26 @@ def test_causal_later_tokens_never_change_earlier_logits():
         out = np.asarray(model(changed))
         np.testing.assert_array_equal(out[:, :t], base[:, :t])
         assert np.abs(out[:, t] - base[:, t]).max() > 1e-4  # and the changed position does change
+
+
+@pytest.mark.parametrize("L, blocks", [(32, 1), (128, 2), (512, 8)])
+def test_blocked_causal_attention_is_full_masked_attention(L, blocks):
+    """Query blocks skip only the masked scores: values and gradients match jax's own masked attention."""
+    assert query_blocks(L) == blocks
+    assert attention_scores(L) == (L // blocks) ** 2 * blocks * (blocks + 1) // 2 <= L * L
+    rng = np.random.default_rng(L)
+    q, k, v, g = (jnp.asarray(rng.standard_normal((2, 3, L, 8)), jnp.float32) for _ in range(4))
+
+    def reference(q, k, v):  # jax.nn.dot_product_attention is B x L x H x K
+        t = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
+        return t(jax.nn.dot_product_attention(t(q), t(k), t(v), is_causal=True, implementation="xla"))
+
+    np.testing.assert_allclose(causal_attention(q, k, v), reference(q, k, v), atol=2e-6)
+    grads = [
+        jax.grad(lambda *a, f=f: jnp.sum(f(*a) * g), argnums=(0, 1, 2))(q, k, v) for f in (causal_attention, reference)
+    ]
+    for ours, theirs in zip(*grads, strict=True):
+        np.testing.assert_allclose(ours, theirs, atol=2e-5)
 
 
 def test_compute_dtype_separate_from_parameter_dtype():
