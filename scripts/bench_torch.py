@@ -167,6 +167,7 @@ def worker(rank: int, world: int, local_rank: int, args: argparse.Namespace) -> 
         )
         print(f"device={device.type} dtype={args.dtype} global_batch={args.global_batch} seq_len={args.seq_len}")
         print("BENCH_JSON " + json.dumps(result), flush=True)
+    dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
 
 
