@@ -476,6 +476,13 @@ def _train(cfg: Config, world: parallel.World, phase: list[str]) -> dict:
             where = run_dir / "data_state" / str(step)
             where.mkdir(parents=True, exist_ok=True)
             (where / f"process_{jax.process_index()}.json").write_text(json.dumps(positions[step]))
+        if bad := parallel.nonfinite_leaves(state.params):  # a checkpoint never holds a NaN or an Inf
+            good = [s for s in ckpts.steps() if s < step]
+            raise RuntimeError(
+                f"step {step}: the parameters hold NaN or Inf ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}) "
+                f"although every loss and gradient was finite: the optimizer update overflowed. Not saved; the "
+                f"newest checkpoint is step {good[-1] if good else 'none'}. Lower optim.lr"
+            )
         record = {"step": step, "config": json.loads(json.dumps(cfg.to_dict())), "data": {"seed": t.seed, "step": step}}
         record["rng"] = "none: the train step draws no random numbers; data order derives from (train.seed, step)"
         ckpts.save(step, state, record)

@@ -210,6 +210,15 @@ def test_injected_nan_is_skipped_and_too_many_stop_the_run(small, tmp_path, monk
     assert resumed["loss"] == resumed["loss"] and resumed["skipped_total"] == 0
 
 
+def test_overflowing_update_is_never_checkpointed(small, tmp_path):
+    """Finite loss and gradients, but an update that overflows float32: the step is not skipped (only a
+    non-finite loss or gradient is), and the check before saving refuses to checkpoint the result."""
+    pattern = r"step 1: the parameters hold NaN or Inf \(.*kernel.*Not saved; the newest checkpoint is step none"
+    with pytest.raises(RunError, match=pattern):
+        train(small("train.steps=3", "train.ckpt_every=1", "optim.lr=1e39", "optim.warmup_steps=0"))
+    assert ckpt_steps(tmp_path / "run") == []
+
+
 def test_injected_replica_divergence_is_detected(small, monkeypatch):
     monkeypatch.setenv("JDP_TEST_DIVERGE", "4")
     with pytest.raises(RunError, match="replicas diverged at step 4") as info:
