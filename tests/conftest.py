@@ -7,10 +7,11 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={N_DEVICES}"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-from jdp.parallel import keep_scratch_memory, set_xla_flags  # noqa: E402  (imports jax, touches no device yet)
+from jdp.parallel import set_xla_flags  # noqa: E402  (imports jax, but touches no device yet)
 
 set_xla_flags()  # as `jdp train` does: compiled steps keep jdp's gradient buckets
-keep_scratch_memory()
+# Not keep_scratch_memory(): one malloc arena made this compile-heavy, many-threaded process ~30% slower
+# (tests/test_parallel.py + test_train.py: 200 s against 154 s). `jdp train` processes the tests start use it.
 # Many tests compile the same small steps in fresh processes: share compiled programs within the session.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import tempfile
