@@ -16,17 +16,17 @@ def _device_ids(text: str) -> tuple[int, ...]:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from jdp import parallel
+    from jdp import world as jobs
     from jdp.config import load_config
     from jdp.train import RunError, train
 
     config, overrides = split_config_args(args.args)
     cfg = load_config(config, overrides)
-    parallel.set_xla_flags(cfg.parallel.bucket_mb)  # before JAX first touches a device
-    parallel.keep_scratch_memory()
+    jobs.set_xla_flags(cfg.parallel.bucket_mb)  # before JAX first touches a device
+    jobs.keep_scratch_memory()
     try:
-        world = parallel.resolve_world(args.coordinator, args.num_processes, args.process_id, args.local_device_ids)
-    except parallel.WorldError as e:
+        world = jobs.resolve_world(args.coordinator, args.num_processes, args.process_id, args.local_device_ids)
+    except jobs.WorldError as e:
         raise ConfigError(str(e)) from e
     try:
         train(cfg, world)
@@ -46,13 +46,13 @@ def _allreduce(args: argparse.Namespace) -> int:
         os.environ["XLA_FLAGS"] = (
             os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
         ).strip()
-    from jdp import parallel
+    from jdp import world
     from jdp.config import load_config
     from jdp.train import all_reduce_report
 
     config, overrides = split_config_args(args.args)
     cfg = load_config(config, overrides)
-    parallel.set_xla_flags(cfg.parallel.bucket_mb)
+    world.set_xla_flags(cfg.parallel.bucket_mb)
     text, numbers = all_reduce_report(cfg)
     print(text)
     if args.json:

@@ -16,8 +16,8 @@ from flax import nnx
 from jdp import parallel
 from jdp.checkpoint import Checkpoints
 from jdp.config import Config, ConfigError, load_config
-from jdp.data import ByteTokenizer, HFTokenizer, load_tokenizer
 from jdp.model import GPT
+from jdp.tokens import ByteTokenizer, HFTokenizer, load_tokenizer
 from jdp.train import build
 
 Tokenizer = ByteTokenizer | HFTokenizer

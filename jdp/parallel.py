@@ -1,19 +1,13 @@
-"""All of jdp's parallelism: the `data` mesh, global batches, and the shard_map train and eval steps.
+"""The data-parallel program: the `data` mesh, global batches, and the shard_map train, gradient and eval steps.
 
-Nothing outside this module mentions devices, meshes, axis names or collectives.
+The only module with axis names and collectives. How a job starts is world.py's, what its processes agree on
+while running is coordination.py's, and which gradients share a bucket is buckets.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import os
-import re
-import signal
-import sys
-import threading
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,252 +19,16 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jdp.buckets import Bucket, bucket_plan
+
+# Where the README of earlier versions told library users to find them; they live in world.py now.
+from jdp.world import keep_scratch_memory, set_xla_flags  # noqa: F401
+
 AXIS = "data"
 
 # loss_fn(model, batch) -> (sum of per-token losses, sum of token weights) on one device's slice.
 LossFn = Callable[[nnx.Module, dict[str, jax.Array]], tuple[jax.Array, jax.Array]]
 Batch = dict[str, Any]
-
-
-@dataclass(frozen=True)
-class World:
-    """How this process joins a job: which coordinator, how many processes, which one it is."""
-
-    coordinator: str | None  # HOST:PORT; None for one process, or when JAX's cluster detection finds it
-    num_processes: int
-    process_id: int
-    source: str  # where the description came from, printed at start
-    local_device_ids: tuple[int, ...] | None = None  # this process's GPUs; None: every visible one
-    auto_detect: bool = False  # let jax.distributed find the job itself (SLURM, Open MPI)
-
-    def describe(self) -> str:
-        if self.num_processes == 1:
-            return f"single process ({self.source})"
-        where = self.coordinator or "auto-detected by JAX"
-        return f"process {self.process_id} of {self.num_processes}, coordinator {where} (from {self.source})"
-
-
-class WorldError(ValueError):
-    """A job description that is incomplete or contradicts itself."""
-
-
-def _int(source: str, name: str, value) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise WorldError(f"{source}: {name}={value!r} is not an integer") from None
-
-
-def _checked(source: str, coordinator, n, pid, local_ids=None) -> World:
-    missing = [
-        k for k, v in (("coordinator", coordinator), ("number of processes", n), ("process id", pid)) if v in (None, "")
-    ]
-    if missing:
-        raise WorldError(f"incomplete multi-process job description from {source}: missing {', '.join(missing)}")
-    n, pid = _int(source, "number of processes", n), _int(source, "process id", pid)
-    if n < 1 or not 0 <= pid < n:
-        raise WorldError(f"{source}: process id {pid} is not in [0, {n}) for {n} processes")
-    host, _, port = str(coordinator).rpartition(":")
-    if n > 1 and (not host or not port.isdigit()):
-        raise WorldError(f"{source}: coordinator {coordinator!r} must be HOST:PORT")
-    return World(str(coordinator) if n > 1 else None, n, pid, source, local_ids)
-
-
-def _slurm_coordinator(env: Mapping[str, str]) -> str:
-    """The first host of the step's node list and JAX's port for this job id (as jax's SlurmCluster does)."""
-    nodes = env["SLURM_STEP_NODELIST"]
-    cut = next((i for i, ch in enumerate(nodes) if ch in ",["), len(nodes))
-    host = nodes[:cut]
-    if cut < len(nodes) and nodes[cut] == "[":
-        rest = nodes[cut + 1 :]
-        host += rest[: next((i for i, ch in enumerate(rest) if ch in ",-]"), len(rest))]
-    return f"{host}:{int(env['SLURM_JOB_ID']) % 2**12 + (65535 - 2**12 + 1)}"
-
-
-def resolve_world(
-    coordinator: str | None = None,
-    num_processes: int | None = None,
-    process_id: int | None = None,
-    local_device_ids: tuple[int, ...] | None = None,
-    env: Mapping[str, str] | None = None,
-) -> World:
-    """The job this process belongs to, from the first of: explicit options, JAX's variables, torchrun's
-    variables, SLURM's, Open MPI's; one process alone when none is there.
-
-    The first three must agree where more than one is given; SLURM and Open MPI are only consulted when none
-    is (a launcher running inside a SLURM allocation describes its own workers with JAX's variables).
-    """
-    env = os.environ if env is None else env
-    found: list[World] = []
-    if any(v is not None for v in (coordinator, num_processes, process_id)):
-        found.append(_checked("explicit options", coordinator, num_processes, process_id, local_device_ids))
-    if any(env.get(k) for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")):
-        ids = env.get("JDP_LOCAL_DEVICE_IDS")
-        local = tuple(_int("JDP_LOCAL_DEVICE_IDS", "id", i) for i in ids.split(",")) if ids else None
-        found.append(
-            _checked(
-                "JAX_* variables",
-                env.get("JAX_COORDINATOR_ADDRESS"),
-                env.get("JAX_NUM_PROCESSES"),
-                env.get("JAX_PROCESS_ID"),
-                local,
-            )
-        )
-    if any(env.get(k) for k in ("WORLD_SIZE", "RANK")):
-        addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
-        n = env.get("WORLD_SIZE")
-        coord = f"{addr}:{port}" if addr and port else ("localhost:0" if n == "1" else None)
-        # torchrun starts one process per GPU: LOCAL_RANK picks this process's GPU.
-        per_node = _int("torchrun", "LOCAL_WORLD_SIZE", env.get("LOCAL_WORLD_SIZE", "1"))
-        local = (_int("torchrun", "LOCAL_RANK", env["LOCAL_RANK"]),) if per_node > 1 and env.get("LOCAL_RANK") else None
-        found.append(
-            _checked(
-                "torchrun variables (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK)", coord, n, env.get("RANK"), local
-            )
-        )
-    if found:
-        first = found[0]
-        for other in found[1:]:
-            if (other.num_processes, other.process_id) != (first.num_processes, first.process_id) or (
-                other.num_processes > 1 and other.coordinator != first.coordinator
-            ):
-                raise WorldError(
-                    f"contradictory job description: {first.source} say process {first.process_id} of "
-                    f"{first.num_processes} at {first.coordinator}, {other.source} say process {other.process_id} "
-                    f"of {other.num_processes} at {other.coordinator}; remove one of them"
-                )
-        return first
-    if all(k in env for k in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")):
-        n = _int("SLURM", "SLURM_NTASKS", env["SLURM_NTASKS"])
-        world = _checked("SLURM variables", _slurm_coordinator(env), n, env["SLURM_PROCID"])
-        return dataclasses.replace(world, auto_detect=n > 1)
-    if "OMPI_COMM_WORLD_SIZE" in env:
-        n, pid = env["OMPI_COMM_WORLD_SIZE"], env.get("OMPI_COMM_WORLD_RANK")
-        world = _checked("Open MPI variables", "auto:0", n, pid)
-        return dataclasses.replace(world, coordinator=None, auto_detect=world.num_processes > 1)
-    return World(None, 1, 0, "no job description found")
-
-
-def initialize(world: World, init_timeout_s: int = 300, heartbeat_timeout_s: int = 100) -> None:
-    """Join the job `world` describes (nothing to do for one process). Call before anything touches devices.
-
-    If the other processes have not all arrived within init_timeout_s, this process exits with a message
-    naming the phase and what it waited for, instead of JAX's abort from deep inside its runtime.
-    """
-    if world.num_processes == 1:
-        return
-    # CPU collectives across processes need gloo; GPU collectives use NCCL regardless of this setting.
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    joined = threading.Event()
-
-    def watchdog() -> None:
-        if not joined.wait(init_timeout_s):
-            waited_for = (
-                f"all {world.num_processes} processes to register with this coordinator"
-                if world.process_id == 0
-                else f"the coordinator (process 0) at {world.coordinator or 'the auto-detected address'}"
-            )
-            print(
-                f"jdp: error: process {world.process_id} of {world.num_processes} gave up after {init_timeout_s} s "
-                f"waiting for {waited_for} (phase: initialization). A process never started, died before "
-                f"joining, or cannot reach the coordinator; check the other processes' logs and the address, "
-                f"or raise parallel.init_timeout_s.",
-                file=sys.stderr,
-                flush=True,
-            )
-            os._exit(3)
-
-    threading.Thread(target=watchdog, daemon=True, name="jdp-init-watchdog").start()
-    kwargs = {}
-    if not world.auto_detect:
-        kwargs = dict(
-            coordinator_address=world.coordinator, num_processes=world.num_processes, process_id=world.process_id
-        )
-    jax.distributed.initialize(
-        **kwargs,
-        local_device_ids=list(world.local_device_ids) if world.local_device_ids else None,
-        initialization_timeout=init_timeout_s + 30,  # our watchdog speaks first
-        heartbeat_timeout_seconds=heartbeat_timeout_s,
-    )
-    joined.set()
-
-
-def collective_flags(bucket_mb: float) -> dict[str, str]:
-    """The XLA options jdp wants for its gradient all-reduces (see set_xla_flags)."""
-    threshold = int(bucket_mb * 2**20) if bucket_mb > 0 else 2**40
-    return {
-        # GPUs: collectives already run asynchronously by default in this XLA; the latency-hiding scheduler
-        # moves each bucket's all-reduce-start as early as its gradients exist, so it overlaps the rest of
-        # backward, and a dedicated high-priority stream keeps it from queueing behind compute kernels.
-        "xla_gpu_enable_latency_hiding_scheduler": "true",
-        "xla_gpu_enable_highest_priority_async_stream": "true",
-        # XLA merges neighbouring all-reduces up to this size: the bucket size, so it keeps jdp's buckets.
-        "xla_gpu_all_reduce_combine_threshold_bytes": str(threshold),
-        # CPU: XLA would merge every all-reduce of the step into one; keep the buckets as planned.
-        "xla_disable_hlo_passes": "cpu-all-reduce-combiner",
-    }
-
-
-def cpu_speed_flags() -> dict[str, str]:
-    """XLA:CPU options measured faster for jdp's steps (README, Performance); only for the versions measured.
-
-    An XLA_FLAGS entry this XLA does not know aborts the process, so experimental flags are version-gated.
-    """
-    import jaxlib
-
-    if not jaxlib.__version__.startswith("0.10."):
-        return {}
-    # jaxlib 0.10 hands matrix multiplies to YNNPACK, which ran jdp's tiny step about 8% slower than XLA's own
-    # Eigen dots (and materialises the broadcasts it cannot fuse): keep XLA's.
-    return {"xla_cpu_experimental_ynn_fusion_type": ""}
-
-
-def set_xla_flags(bucket_mb: float = 25.0, environ: dict | None = None) -> list[str]:
-    """Add jdp's collective (and CPU speed) options to XLA_FLAGS where the user has not set them; returns the ones added.
-
-    XLA reads XLA_FLAGS once, when JAX first touches a device: call this before that (`jdp train` does).
-    A flag already in XLA_FLAGS is left exactly as the user set it.
-    """
-    environ = os.environ if environ is None else environ
-    current = environ.get("XLA_FLAGS", "")
-    present = set(re.findall(r"--([\w]+)", current))
-    wanted = {**collective_flags(bucket_mb), **cpu_speed_flags()}
-    added = [f"--{k}={v}" for k, v in wanted.items() if k not in present]
-    if added:
-        environ["XLA_FLAGS"] = " ".join([current, *added]).strip()
-    return added
-
-
-_GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")
-
-
-def keep_scratch_memory(environ: dict | None = None) -> bool:
-    """Keep XLA:CPU's per-step scratch memory mapped from one step to the next; True if this changed malloc.
-
-    XLA:CPU allocates a step's temporaries as one block (125 MB for the tiny config at batch 16), from a worker
-    thread. glibc serves a block that large from a thread's arena with a fresh mmap and unmaps it when freed,
-    so every step page-faults all of it in again: 30,641 faults per step, a fifth of the step time on a 2-core
-    VM. One arena (the main heap, which has no size cap), no mmap and no trimming keep the block between steps,
-    as PyTorch's caching allocators keep theirs; the price is that freed host memory goes back to the OS only
-    at exit. Call it before JAX first touches a device (`jdp train` does). It does nothing where the C library
-    is not glibc, where a GPU plugin is installed and JAX_PLATFORMS does not say cpu (temporaries live on the
-    GPU there), or where the user set malloc options of their own (MALLOC_*, GLIBC_TUNABLES).
-    """
-    import ctypes
-    import importlib.util
-    import platform
-
-    environ = os.environ if environ is None else environ
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    if any(k.startswith("MALLOC_") for k in environ) or "glibc.malloc" in environ.get("GLIBC_TUNABLES", ""):
-        return False
-    cpu_only = environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu"
-    if not cpu_only and any(importlib.util.find_spec(name) for name in _GPU_PLUGINS):
-        return False
-    mallopt = ctypes.CDLL(None).mallopt
-    M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # <malloc.h>
-    return bool(mallopt(M_ARENA_MAX, 1) & mallopt(M_MMAP_MAX, 0) & mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def make_mesh(devices: list | None = None) -> jax.sharding.Mesh:
@@ -373,83 +131,6 @@ def _local_sums(graphdef, loss_fn: LossFn, grad_accum: int):
     return sums
 
 
-# ---- Gradient buckets: DDP's bucket_cap_mb, in the order backward finishes the gradients ----
-
-
-def gradient_order(loss_of: Callable, params, *args) -> list[int]:
-    """Indices of `params`' leaves in the order backward finishes their gradients.
-
-    A parameter's gradient is complete once backward has passed its *first* use in the forward pass, so the
-    order is the reverse of first use, read off the traced forward program (for a transformer: the last
-    layer first; a tied embedding, used first and last, comes last). Works for any model and loss.
-    """
-    leaves = jax.tree.leaves(params)
-    closed = jax.make_jaxpr(loss_of)(params, *args)
-    first: dict[int, tuple] = {}
-
-    def walk(jaxpr, env: dict, where: tuple) -> None:
-        for i, eqn in enumerate(jaxpr.eqns):
-            for v in eqn.invars:
-                try:
-                    leaf = env.get(v)
-                except TypeError:  # an unhashable literal
-                    continue
-                if leaf is not None:
-                    first.setdefault(leaf, (*where, i))
-            for sub in eqn.params.values():  # calls into nested programs (jit, custom_vjp, remat, ...)
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns") and len(inner.invars) == len(eqn.invars):
-                    inner_env = {}
-                    for outer_v, inner_v in zip(eqn.invars, inner.invars, strict=True):
-                        try:
-                            if outer_v in env:
-                                inner_env[inner_v] = env[outer_v]
-                        except TypeError:
-                            continue
-                    walk(inner, inner_env, (*where, i))
-
-    walk(closed.jaxpr, {v: k for k, v in enumerate(closed.jaxpr.invars[: len(leaves)])}, ())
-    # Unused parameters have a zero gradient at once: they go first.
-    return sorted(range(len(leaves)), key=lambda k: first.get(k, (math.inf,)), reverse=True)
-
-
-@dataclass(frozen=True)
-class Bucket:
-    leaves: tuple[int, ...]  # indices into jax.tree.leaves(params), in backward-completion order
-    names: tuple[str, ...]
-    elements: int
-    nbytes: int  # as communicated, in the reduce dtype
-
-
-def plan_buckets(params, order: list[int], bucket_mb: float, reduce_dtype: str = "float32") -> list[Bucket]:
-    """Group the gradients, in `order`, into buckets of at most bucket_mb MiB (DDP's rule: a gradient
-    larger than the cap gets a bucket of its own; bucket_mb=0 puts them all in one)."""
-    flat = jax.tree_util.tree_leaves_with_path(params)
-    item = jnp.dtype(reduce_dtype).itemsize
-    cap = bucket_mb * 2**20 if bucket_mb > 0 else math.inf
-    buckets, current = [], []
-
-    def close():
-        if current:
-            n = sum(math.prod(flat[k][1].shape) for k in current)
-            names = tuple(
-                jax.tree_util.keystr(flat[k][0], simple=True, separator=".").removesuffix(".value") for k in current
-            )
-            buckets.append(Bucket(tuple(current), names, n, n * item))
-            current.clear()
-
-    size = 0
-    for k in order:
-        nbytes = math.prod(flat[k][1].shape) * item
-        if current and size + nbytes > cap:
-            close()
-            size = 0
-        current.append(k)
-        size += nbytes
-    close()
-    return buckets
-
-
 def _reduce_buckets(grads, buckets: list[Bucket], reduce_dtype: str):
     """pmean of the gradients over `data`: one all-reduce per bucket, each bucket one flat buffer (as DDP)."""
     leaves, tree = jax.tree.flatten(grads)
@@ -463,22 +144,6 @@ def _reduce_buckets(grads, buckets: list[Bucket], reduce_dtype: str):
             out[k] = flat[offset : offset + size].reshape(leaves[k].shape).astype(leaves[k].dtype)
             offset += size
     return jax.tree.unflatten(tree, out)
-
-
-def _spec(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
-
-
-def bucket_plan(
-    graphdef, loss_fn: LossFn, params, rest, micro_batch, bucket_mb: float, reduce_dtype: str
-) -> list[Bucket]:
-    """The gradient buckets of a step: `micro_batch` is one device's micro-batch (arrays or shapes)."""
-
-    def loss_of(params, rest, micro):
-        return loss_fn(nnx.merge(graphdef, params, rest), micro)
-
-    order = gradient_order(loss_of, _spec(params), _spec(rest), _spec(micro_batch))
-    return plan_buckets(params, order, bucket_mb, reduce_dtype)
 
 
 def _global_grads(graphdef, loss_fn: LossFn, n_devices: int, grad_accum: int, bucket_mb: float, reduce_dtype: str):
@@ -511,8 +176,8 @@ def _update(optimizer, schedule, state: TrainState, grads, loss, weight):
     # A non-finite loss or gradient skips the update (as PyTorch's GradScaler does). These values come after
     # the all-reduce, so every replica takes the same decision; the batch still counts as consumed (state.step
     # advances). Known before the update, the choice fuses into it. The new parameters are not checked here:
-    # that would cost one more pass over parameters and optimizer state every step (2% of the tiny CPU step);
-    # the loop checks them before every checkpoint instead (nonfinite_leaves).
+    # that would cost one more pass over parameters and optimizer state every step (README, Performance); the
+    # loop checks them before every checkpoint instead (nonfinite_leaves).
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     params, opt_state = jax.tree.map(
         lambda new, old: jnp.where(ok, new, old), (params, opt_state), (state.params, state.opt_state)
@@ -684,153 +349,3 @@ def replica_mismatches(tree) -> list[str]:
             if data.tobytes() != first.tobytes():
                 problems.append(f"{jax.tree_util.keystr(path)}: {dev} differs from {first_dev}")
     return problems
-
-
-def compiled_text(step_fn, *args) -> str:
-    """The optimized HLO text of a jitted step for these arguments (for inspecting collectives)."""
-    return step_fn.lower(*args).compile().as_text()
-
-
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4}
-_DTYPE_BYTES.update({"f64": 8, "s64": 8, "u64": 8})
-
-
-@dataclass
-class AllReduce:
-    name: str
-    computation: str  # the HLO computation it sits in
-    in_loop: bool  # inside a while-loop body or condition: it would run once per iteration
-    shapes: list[str]
-    bytes: int
-
-
-def all_reduces(hlo_text: str) -> list[AllReduce]:
-    """Every all-reduce in optimized HLO text, with its bytes and whether it sits inside a loop."""
-    loop_comps = set(re.findall(r"(?:body|condition)=%?([\w.\-]+)", hlo_text))
-    found, computation = [], ""
-    for line in hlo_text.splitlines():
-        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
-        if header and not line.startswith(" "):
-            computation = header.group(1)
-            continue
-        m = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) all-reduce(?:-start)?\(", line)
-        if m:
-            shapes = re.findall(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]", m.group(2))
-            nbytes = sum(_DTYPE_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d) for t, dims in shapes)
-            found.append(
-                AllReduce(m.group(1), computation, computation in loop_comps, [f"{t}[{d}]" for t, d in shapes], nbytes)
-            )
-    return found
-
-
-def _kv():
-    """jax.distributed's key-value store (on the coordinator), or None in a single-process run."""
-    from jax._src import distributed
-
-    return distributed.global_state.client if jax.process_count() > 1 else None
-
-
-class StopAgreement:
-    """SIGTERM or SIGINT to any process makes every process stop after the same step (then save and exit 0).
-
-    The process that gets the signal proposes "stop after step s + margin" in jax.distributed's key-value
-    store; every process reads it before each step. Processes of a data-parallel job are never more than a
-    step or two apart (each step's metrics fetch waits for everyone's previous step), so the margin of 3
-    leaves every process room to reach the agreed step. A second signal exits at once.
-    """
-
-    MARGIN = 3
-    KEY = "jdp/stop_after_step"
-
-    def __init__(self):
-        self.stop_at: int | None = None
-        self.signals = 0
-        self._pending: int | None = None
-        self._previous = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-
-    def _handler(self, sig, frame) -> None:
-        self.signals += 1
-        if self.signals > 1:
-            print(f"jdp: second {signal.Signals(sig).name}: exiting now, without saving", file=sys.stderr, flush=True)
-            os._exit(128 + sig)
-        self._pending = sig
-
-    def should_stop(self, done: int) -> bool:
-        """Called before each step with the number of steps done: True once the agreed step is reached."""
-        kv = _kv()
-        if self._pending is not None and self.stop_at is None:
-            proposal = done + (self.MARGIN if kv else 0)
-            name = signal.Signals(self._pending).name
-            if kv:
-                try:
-                    kv.key_value_set(self.KEY, str(proposal))
-                except Exception:
-                    pass  # another process proposed first; its step is the one everybody reads
-            print(
-                f"jdp: process {jax.process_index()} got {name}: every process will stop at an agreed step and "
-                f"save (send it again to exit at once)",
-                file=sys.stderr,
-                flush=True,
-            )
-            if not kv:
-                self.stop_at = proposal
-        if kv and self.stop_at is None:
-            try:
-                self.stop_at = int(kv.key_value_try_get(self.KEY))
-            except Exception:
-                pass  # no proposal yet
-        return self.stop_at is not None and done >= self.stop_at
-
-    def close(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-class Watchdog:
-    """Exits this process, with a message, when no step finishes for `timeout_s` (a stalled or dead peer).
-
-    Each process records its last finished step in the key-value store, so the message names the
-    processes that are behind.
-    """
-
-    def __init__(self, timeout_s: float):
-        self.timeout_s, self.step, self.last = timeout_s, 0, time.monotonic()
-        self.armed = False
-        self._stop = threading.Event()
-        threading.Thread(target=self._run, daemon=True, name="jdp-watchdog").start()
-
-    def progress(self, step: int) -> None:
-        self.step, self.last, self.armed = step, time.monotonic(), True
-        kv = _kv()
-        if kv:
-            kv.key_value_set(f"jdp/progress/{jax.process_index()}", str(step), allow_overwrite=True)
-
-    def pause(self) -> None:
-        """Stop watching (long, legitimate waits: evaluation, a checkpoint save); progress() re-arms."""
-        self.armed = False
-
-    def _run(self) -> None:
-        while not self._stop.wait(1.0):
-            if self.armed and time.monotonic() - self.last > self.timeout_s:
-                behind = ""
-                try:
-                    kv = _kv()
-                    if kv:
-                        steps = {int(k.rsplit("/", 1)[1]): int(v) for k, v in kv.key_value_dir_get("jdp/progress/")}
-                        lagging = sorted(
-                            p for p in range(jax.process_count()) if steps.get(p, -1) < max(steps.values())
-                        )
-                        behind = f"; processes behind the others: {lagging or 'none'} (last steps: {steps})"
-                except Exception as e:
-                    behind = f"; could not reach the coordinator to ask the others ({type(e).__name__})"
-                print(
-                    f"jdp: error: process {jax.process_index()} of {jax.process_count()}: no step finished for "
-                    f"{self.timeout_s:g} s after step {self.step} (train.step_timeout_s){behind}. A peer is "
-                    f"stalled or dead; exiting instead of waiting forever.",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                os._exit(4)
-
-    def close(self) -> None:
-        self._stop.set()

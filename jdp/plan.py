@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jdp import parallel
+from jdp.buckets import bucket_plan
 from jdp.config import Config, ConfigError, load_config, split_config_args, validate
 from jdp.metrics import GPU_PEAK_FLOPS, flops_per_token, read_metrics
 from jdp.model import GPT, attention_scores, lm_loss
@@ -355,7 +355,7 @@ def make_planner(
         for k, dtype in (("inputs", jnp.int32), ("targets", jnp.int32), ("weights", jnp.float32))
     }
     p = cfg.parallel
-    buckets = parallel.bucket_plan(graphdef, lm_loss, params, rest, micro, p.bucket_mb, p.reduce_dtype)
+    buckets = bucket_plan(graphdef, lm_loss, params, rest, micro, p.bucket_mb, p.reduce_dtype)
     return Planner(
         cfg=cfg,
         gpu=gpu,

@@ -3,35 +3,11 @@
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
 
 import numpy as np
 
 from jdp.config import ConfigError, DataConfig
-from jdp.data import _BUILDERS, _is_saved_dataset, data_files, load_saved, resolve_source, windows
-
-
-def open_stream(cfg: DataConfig):
-    """The whole corpus as an IterableDataset, in file order: local files, a saved dataset or the hub."""
-    import datasets
-
-    source = resolve_source(cfg)
-    path = Path(source).expanduser()
-    if _is_saved_dataset(path):
-        ds = load_saved(cfg, path)
-        ds = ds.to_iterable_dataset(num_shards=max(1, min(len(ds), 64)))
-    elif (files := data_files(cfg, source)) is not None:
-        ds = datasets.load_dataset(
-            _BUILDERS[Path(files[0]).suffix.lower()], data_files=files, split="train", streaming=True
-        )
-    else:
-        ds = datasets.load_dataset(source, cfg.name or None, split=cfg.split, streaming=True)
-    if ds.column_names is not None and cfg.text_column not in ds.column_names:
-        raise ConfigError(
-            f"data.source={cfg.source}: no column {cfg.text_column!r}; its columns are {ds.column_names} "
-            f"(set data.text_column)"
-        )
-    return ds
+from jdp.tokens import windows
 
 
 def _digest(text: str) -> bytes:

@@ -19,12 +19,16 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from jdp import parallel
+from jdp.buckets import bucket_plan
 from jdp.checkpoint import Checkpoints, check_resumable
 from jdp.config import Config, ConfigError, save_config, validate
+from jdp.coordination import StopAgreement, Watchdog
 from jdp.data import Prefetcher, eval_batches, load_data
+from jdp.hlo import all_reduces
 from jdp.metrics import MetricsLog, flops_per_token, peak_flops, read_metrics, supersede
 from jdp.model import GPT, count_params, lm_loss
 from jdp.optim import make_optimizer
+from jdp.world import World, WorldError, initialize, resolve_world
 
 
 def evaluate(eval_step, state, stream: np.ndarray, cfg: Config, mesh, rows: slice) -> tuple[float, float]:
@@ -215,11 +219,11 @@ def all_reduce_report(cfg: Config) -> tuple[str, dict]:
     spec = batch_spec(cfg, mesh)
     micro = {k: jax.ShapeDtypeStruct((derived.micro_batch, *v.shape[1:]), v.dtype) for k, v in spec.items()}
     p = cfg.parallel
-    buckets = parallel.bucket_plan(graphdef, lm_loss, state.params, state.rest, micro, p.bucket_mb, p.reduce_dtype)
+    buckets = bucket_plan(graphdef, lm_loss, state.params, state.rest, micro, p.bucket_mb, p.reduce_dtype)
     lowered = train_step.lower(state, spec)
-    emitted_found = parallel.all_reduces(lowered.as_text(dialect="hlo"))  # the program before XLA's passes
+    emitted_found = all_reduces(lowered.as_text(dialect="hlo"))  # the program before XLA's passes
     emitted = _gradient_all_reduces(emitted_found, buckets)
-    found = parallel.all_reduces(lowered.compile().as_text())
+    found = all_reduces(lowered.compile().as_text())
     grads = _gradient_all_reduces(found, buckets)
     param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params))
     lines = [
@@ -283,15 +287,15 @@ def _elements(shape: str) -> int:
     return math.prod(int(d) for d in dims.split(",") if d)
 
 
-def train(cfg: Config, world: parallel.World | None = None) -> dict:
+def train(cfg: Config, world: World | None = None) -> dict:
     """Train the configured GPT; returns the last train and eval metrics."""
     if world is None:
         try:
-            world = parallel.resolve_world()
-        except parallel.WorldError as e:
+            world = resolve_world()
+        except WorldError as e:
             raise ConfigError(str(e)) from e
     if not jax.distributed.is_initialized():
-        parallel.initialize(world, cfg.parallel.init_timeout_s, cfg.parallel.heartbeat_timeout_s)
+        initialize(world, cfg.parallel.init_timeout_s, cfg.parallel.heartbeat_timeout_s)
     phase = ["setting up"]
     try:
         return _train(cfg, world, phase)
@@ -302,7 +306,7 @@ def train(cfg: Config, world: parallel.World | None = None) -> dict:
         raise RunError(f"{who} failed while {phase[0]}: {type(e).__name__}: {e}") from e
 
 
-def _train(cfg: Config, world: parallel.World, phase: list[str]) -> dict:
+def _train(cfg: Config, world: World, phase: list[str]) -> dict:
     t = cfg.train
     hooks = test_hooks()
     start_time = time.time()
@@ -399,8 +403,8 @@ def _train(cfg: Config, world: parallel.World, phase: list[str]) -> dict:
     clock = {"t": None, "tokens": 0, "tps": None, "wait": 0.0, "skipped": 0, "bad_run": 0, "bad_total": 0}
     positions: dict[int, object] = {}  # streaming: the loader's position after each step's batch
     loader = Prefetcher(lambda s: (data.local_batch(s), data.position()), start, t.steps, cfg.data.prefetch)
-    stop = parallel.StopAgreement()
-    watchdog = parallel.Watchdog(t.step_timeout_s)
+    stop = StopAgreement()
+    watchdog = Watchdog(t.step_timeout_s)
 
     def finish(step: int, metrics) -> None:
         """Host side of step `step` (1-based): fetch its metrics (it has finished by now) and log them."""
@@ -534,6 +538,10 @@ def _train(cfg: Config, world: parallel.World, phase: list[str]) -> dict:
         if pending is not None:
             finish(*pending)
     except BaseException:
+        # The watchdog must not outlive a failed run: in a process that goes on (a notebook, the test suite) it
+        # would end the whole process step_timeout_s later.
+        watchdog.close()
+        stop.close()
         # A checkpoint already being written holds good parameters: let it complete. With several processes a
         # dead peer could block that forever, so only a single process waits.
         loader.close()

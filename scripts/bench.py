@@ -52,12 +52,12 @@ def child(mode: str, devices: int, args: list[str], cpu_cores: str | None = None
 
 
 def _setup(config: str, overrides: list[str]):
-    from jdp import parallel
+    from jdp import world as jobs
     from jdp.config import load_config
 
     cfg = load_config(config, ["train.run_dir=/dev/null", "train.progress=false", *overrides])
-    parallel.set_xla_flags(cfg.parallel.bucket_mb)  # as `jdp train` does, before jax touches a device
-    parallel.keep_scratch_memory()
+    jobs.set_xla_flags(cfg.parallel.bucket_mb)  # as `jdp train` does, before jax touches a device
+    jobs.keep_scratch_memory()
     return cfg
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from jdp import parallel
+from jdp import world as jobs
 from jdp.config import load_config, split_config_args
 
 
@@ -24,12 +24,13 @@ def main() -> None:
     a = ap.parse_args()
     config, overrides = split_config_args(a.args)
     cfg = load_config(config, ["train.run_dir=/dev/null", *overrides])
-    parallel.set_xla_flags(cfg.parallel.bucket_mb)
-    parallel.keep_scratch_memory()
+    jobs.set_xla_flags(cfg.parallel.bucket_mb)
+    jobs.keep_scratch_memory()
 
     import jax
     import numpy as np
 
+    from jdp import parallel
     from jdp.train import build
 
     mesh = parallel.make_mesh()

@@ -14,20 +14,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-import jdp.data as jd
+import jdp.corpus as jd
 from jdp.config import ConfigError, DataConfig
-from jdp.data import (
-    Batches,
-    ByteTokenizer,
-    HFTokenizer,
-    eval_batches,
-    load_data,
-    load_documents,
-    load_tokenizer,
-    n_windows,
-    tokenize,
-    windows,
-)
+from jdp.corpus import load_documents
+from jdp.data import Batches, eval_batches, load_data
+from jdp.tokens import ByteTokenizer, HFTokenizer, load_tokenizer, n_windows, tokenize, windows
 
 EOD = ByteTokenizer.eod_id
 

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from jdp.config import ConfigError, DataConfig
-from jdp.data import Batches, ByteTokenizer, Prefetcher, load_data
-from jdp.stream import StreamBatches, hold_out, open_stream
+from jdp.corpus import open_stream
+from jdp.data import Batches, Prefetcher, load_data
+from jdp.stream import StreamBatches, hold_out
+from jdp.tokens import ByteTokenizer
 
 EOD = ByteTokenizer.eod_id
 

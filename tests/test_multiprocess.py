@@ -19,7 +19,9 @@ DATA_WORKER = textwrap.dedent(
     from jdp import parallel
     from jdp.data import Batches
 
-    parallel.initialize(parallel.resolve_world())
+    from jdp.world import initialize, resolve_world
+
+    initialize(resolve_world())
     mesh = parallel.make_mesh()
     B, steps = 8, 12
     rows = parallel.process_rows(B, mesh)

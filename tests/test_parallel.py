@@ -9,6 +9,7 @@ from flax import nnx
 
 from jdp import parallel
 from jdp.config import ModelConfig, OptimConfig
+from jdp.hlo import all_reduces, compiled_text
 from jdp.model import GPT, lm_loss
 from jdp.optim import make_optimizer
 
@@ -153,8 +154,8 @@ def test_grad_accum_equals_one_big_batch():
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_one_gradient_all_reduce_per_step_in_compiled_hlo(grad_accum):
     mesh, graphdef, state, step = setup(4, grad_accum=grad_accum)
-    hlo = parallel.compiled_text(step, state, parallel.shard_batch(make_batch(0), mesh))
-    reduces = parallel.all_reduces(hlo)
+    hlo = compiled_text(step, state, parallel.shard_batch(make_batch(0), mesh))
+    reduces = all_reduces(hlo)
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(state.params))
     assert reduces, "no all-reduce in the compiled step"
     # Nothing is reduced per micro-batch: no all-reduce inside the accumulation loop...
@@ -180,5 +181,5 @@ def test_all_reduce_parser_sees_reduction_inside_a_loop():
 
     f = jax.jit(jax.shard_map(per_micro, mesh=mesh, in_specs=P(None, "data"), out_specs=P("data")))
     x = jax.device_put(np.ones((3, 8), np.float32), jax.sharding.NamedSharding(mesh, P(None, "data")))
-    reduces = parallel.all_reduces(parallel.compiled_text(f, x))
+    reduces = all_reduces(compiled_text(f, x))
     assert reduces and all(r.in_loop for r in reduces)

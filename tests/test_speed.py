@@ -12,9 +12,12 @@ from flax import nnx
 from test_parallel import CFG, make_batch, params_close, rel_diff
 
 from jdp import parallel
+from jdp.buckets import bucket_plan
 from jdp.config import OptimConfig
+from jdp.hlo import all_reduces
 from jdp.model import GPT, lm_loss
 from jdp.optim import make_optimizer
+from jdp.world import set_xla_flags
 
 
 def build(n_devices=4, grad_accum=1, **step_kw):
@@ -28,13 +31,13 @@ def build(n_devices=4, grad_accum=1, **step_kw):
 
 def plan(graphdef, state, bucket_mb, reduce_dtype="float32", micro_rows=2):
     micro = {k: v[:micro_rows] for k, v in make_batch(0).items()}
-    return parallel.bucket_plan(graphdef, lm_loss, state.params, state.rest, micro, bucket_mb, reduce_dtype)
+    return bucket_plan(graphdef, lm_loss, state.params, state.rest, micro, bucket_mb, reduce_dtype)
 
 
 def gradient_reduces(step, state, mesh, hlo="compiled"):
     lowered = step.lower(state, parallel.shard_batch(make_batch(0), mesh))
     text = lowered.compile().as_text() if hlo == "compiled" else lowered.as_text(dialect="hlo")
-    return [r for r in parallel.all_reduces(text) if r.shapes != ["f32[2]"]]  # not the loss/token pair
+    return [r for r in all_reduces(text) if r.shapes != ["f32[2]"]]  # not the loss/token pair
 
 
 @pytest.mark.parametrize("bucket_mb, grad_accum", [(0.0, 1), (0.04, 2), (0.015, 1)])
@@ -115,13 +118,13 @@ def test_dp_baseline_matches_ddp():
 
 def test_xla_flags_added_only_where_the_user_has_not_set_them():
     env = {"XLA_FLAGS": "--xla_gpu_all_reduce_combine_threshold_bytes=123 --xla_force_host_platform_device_count=2"}
-    added = parallel.set_xla_flags(bucket_mb=25, environ=env)
+    added = set_xla_flags(bucket_mb=25, environ=env)
     assert "--xla_gpu_all_reduce_combine_threshold_bytes=123" in env["XLA_FLAGS"]
     assert not any("combine_threshold" in a for a in added)
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in added
-    assert parallel.set_xla_flags(bucket_mb=25, environ=env) == []  # idempotent
+    assert set_xla_flags(bucket_mb=25, environ=env) == []  # idempotent
     env = {}
-    parallel.set_xla_flags(bucket_mb=4, environ=env)
+    set_xla_flags(bucket_mb=4, environ=env)
     assert f"--xla_gpu_all_reduce_combine_threshold_bytes={4 * 2**20}" in env["XLA_FLAGS"]
 
 
@@ -146,9 +149,9 @@ def test_allreduce_command_reports_buckets_summing_to_parameter_bytes(tmp_path):
 
 SCRATCH_PROGRAM = """
 import resource, sys
-from jdp import parallel
+from jdp import world
 if sys.argv[1] == "keep":
-    assert parallel.keep_scratch_memory()
+    assert world.keep_scratch_memory()
 import jax, jax.numpy as jnp
 f = jax.jit(lambda x, w: jnp.sum(jnp.tanh(x @ w) @ w.T))  # two 16384 x 1024 float32 temporaries: 128 MB
 x, w = jnp.ones((16384, 64), jnp.float32), jnp.ones((64, 1024), jnp.float32) * 1e-3

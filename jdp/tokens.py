@@ -1,0 +1,166 @@
+"""Tokens: tokenizers, the cached token streams of a corpus, and the windows cut from a stream."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from filelock import FileLock
+
+from jdp.config import ConfigError, DataConfig
+from jdp.corpus import cache_root
+
+FORMAT_VERSION = 1
+_EOD_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "[SEP]", "<|end_of_text|>")
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, with 256 as the end-of-document token."""
+
+    name = "byte"
+    vocab_size = 257
+    eod_id = 256
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.uint16) for t in texts]
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """Any Hugging Face tokenizer from a local path: a tokenizer.json (the `tokenizers` format) or a directory."""
+
+    def __init__(self, path: str):
+        p = Path(path).expanduser()
+        file = p / "tokenizer.json" if p.is_dir() else p
+        if file.is_file():
+            from tokenizers import Tokenizer
+
+            self._tok = Tokenizer.from_file(str(file))
+            vocab = self._tok.get_vocab(with_added_tokens=True)
+            self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+            self._encode = lambda texts: [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+            self.decode = lambda ids: self._tok.decode([int(i) for i in ids])
+        elif p.is_dir():
+            try:
+                from transformers import AutoTokenizer
+            except ImportError as e:
+                raise ConfigError(
+                    f"data.tokenizer={path}: has no tokenizer.json; `pip install transformers` to read it"
+                ) from e
+            self._tok = AutoTokenizer.from_pretrained(str(p))
+            vocab = self._tok.get_vocab()
+            self.vocab_size = len(self._tok)
+            self._encode = lambda texts: self._tok(texts, add_special_tokens=False)["input_ids"]
+            self.decode = lambda ids: self._tok.decode([int(i) for i in ids])
+        else:
+            raise ConfigError(
+                f"data.tokenizer={path}: no such file or directory (use 'byte' or a local tokenizer path)"
+            )
+        eod = next((vocab[n] for n in _EOD_NAMES if n in vocab), None)
+        if eod is None:
+            raise ConfigError(f"data.tokenizer={path}: no end-of-document token (looked for {', '.join(_EOD_NAMES)})")
+        self.eod_id = eod
+        if file.is_file():
+            spec = self._tok.to_str()  # the whole tokenizer: normalizer, pre-tokenizer, model, added tokens
+        else:
+            backend = getattr(self._tok, "backend_tokenizer", None)
+            spec = backend.to_str() if backend is not None else json.dumps(sorted(vocab.items()))
+        self.name = f"hf:{file if file.is_file() else p}:{hashlib.sha256(spec.encode()).hexdigest()[:12]}"
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        dtype = np.uint16 if self.vocab_size <= 1 << 16 else np.uint32
+        return [np.asarray(ids, dtype) for ids in self._encode(texts)]
+
+
+def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
+    return ByteTokenizer() if spec == "byte" else HFTokenizer(spec)
+
+
+@dataclass
+class Tokens:
+    """The corpus as two flat token streams (documents joined by end-of-document tokens)."""
+
+    train: np.ndarray
+    val: np.ndarray
+    n_docs: int
+    n_empty: int  # documents with no text: skipped, and counted here
+
+
+def tokenize(ds, tokenizer, cfg: DataConfig, seed: int) -> Tokens:
+    """Tokenize with `datasets.map`, hold out whole documents for validation, and cache the streams."""
+    key = json.dumps([FORMAT_VERSION, ds._fingerprint, tokenizer.name, cfg.text_column, cfg.val_tokens, seed])
+    cache = cache_root(cfg) / f"tokens-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    # One process per host tokenizes; the others wait for it and then read its cache.
+    with FileLock(str(cache) + ".lock"):
+        if not (cache / "meta.json").exists():
+            _tokenize_into(cache, key, ds, tokenizer, cfg, seed)
+    meta = json.loads((cache / "meta.json").read_text())
+    # Memory-mapped: processes on one host share the page cache instead of each holding a copy.
+    train, val = (np.load(cache / f"{name}.npy", mmap_mode="r") for name in ("train", "val"))
+    return Tokens(train, val, meta["n_docs"], meta["n_empty"])
+
+
+def _tokenize_into(cache: Path, key: str, ds, tokenizer, cfg: DataConfig, seed: int) -> None:
+
+    column = cfg.text_column
+    num_proc = cfg.num_proc or min(os.cpu_count() or 1, max(1, len(ds) // 2000))
+    ids = ds.map(
+        lambda b: {"ids": tokenizer.encode_batch([t or "" for t in b[column]])},
+        batched=True,
+        remove_columns=ds.column_names,
+        num_proc=num_proc if num_proc > 1 else None,
+        desc="tokenizing",
+    )
+    col = ids.data.column("ids").combine_chunks()
+    values = col.flatten().to_numpy(zero_copy_only=False)
+    offsets = col.offsets.to_numpy()
+    lengths = np.diff(offsets)
+    nonempty = lengths > 0
+    n_empty = int((~nonempty).sum())
+    if not nonempty.any():
+        raise ConfigError(f"data.source={cfg.source}: every document in column {column!r} is empty")
+    # One end-of-document token after every document.
+    stream = np.insert(values, offsets[1:][nonempty], tokenizer.eod_id).astype(values.dtype)
+    doc_of_token = np.repeat(np.arange(len(lengths))[nonempty], lengths[nonempty] + 1)
+
+    is_val = np.zeros(len(lengths), bool)
+    if cfg.val_tokens > 0:
+        order = np.random.default_rng([seed, 1]).permutation(np.flatnonzero(nonempty))
+        taken = np.cumsum(lengths[order] + 1)
+        n_val = int(np.searchsorted(taken, cfg.val_tokens) + 1)
+        if n_val >= len(order):
+            raise ConfigError(
+                f"data.source={cfg.source}: holding out data.val_tokens={cfg.val_tokens} for validation would "
+                f"leave no training documents; lower data.val_tokens (0 switches evaluation off)"
+            )
+        is_val[order[:n_val]] = True
+    token_is_val = is_val[doc_of_token]
+    tokens = Tokens(stream[~token_is_val], stream[token_is_val], int(nonempty.sum()), n_empty)
+
+    tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    np.save(tmp / "train.npy", tokens.train)
+    np.save(tmp / "val.npy", tokens.val)
+    (tmp / "meta.json").write_text(json.dumps({"n_docs": tokens.n_docs, "n_empty": n_empty, "key": key}))
+    tmp.rename(cache)  # atomic: a reader never sees a partial cache
+
+
+def n_windows(stream: np.ndarray, seq_len: int) -> int:
+    """Non-overlapping windows of seq_len inputs (+1 shifted target) that the stream holds."""
+    return max(0, (len(stream) - 1) // seq_len)
+
+
+def windows(stream: np.ndarray, idx: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+    """Batch of windows `idx` (-1: a zero-weight padding row): inputs, next-token targets, weights."""
+    valid = idx >= 0
+    starts = np.where(valid, idx, 0)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
+    w = stream[starts].astype(np.int32)
+    weights = np.repeat(valid[:, None], seq_len, axis=1).astype(np.float32)
+    return {"inputs": w[:, :-1], "targets": w[:, 1:], "weights": weights}

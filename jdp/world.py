@@ -1,0 +1,259 @@
+"""Start-up: everything that happens before JAX touches a device.
+
+Which job this process belongs to (explicit options, JAX's, torchrun's, SLURM's or Open MPI's variables), joining
+it through `jax.distributed` with a watchdog, the XLA options jdp wants, and the host allocator setting. JAX is
+imported only where a job is joined, so the command line can resolve a job (and print help) without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class World:
+    """How this process joins a job: which coordinator, how many processes, which one it is."""
+
+    coordinator: str | None  # HOST:PORT; None for one process, or when JAX's cluster detection finds it
+    num_processes: int
+    process_id: int
+    source: str  # where the description came from, printed at start
+    local_device_ids: tuple[int, ...] | None = None  # this process's GPUs; None: every visible one
+    auto_detect: bool = False  # let jax.distributed find the job itself (SLURM, Open MPI)
+
+    def describe(self) -> str:
+        if self.num_processes == 1:
+            return f"single process ({self.source})"
+        where = self.coordinator or "auto-detected by JAX"
+        return f"process {self.process_id} of {self.num_processes}, coordinator {where} (from {self.source})"
+
+
+class WorldError(ValueError):
+    """A job description that is incomplete or contradicts itself."""
+
+
+def _int(source: str, name: str, value) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise WorldError(f"{source}: {name}={value!r} is not an integer") from None
+
+
+def _checked(source: str, coordinator, n, pid, local_ids=None) -> World:
+    missing = [
+        k for k, v in (("coordinator", coordinator), ("number of processes", n), ("process id", pid)) if v in (None, "")
+    ]
+    if missing:
+        raise WorldError(f"incomplete multi-process job description from {source}: missing {', '.join(missing)}")
+    n, pid = _int(source, "number of processes", n), _int(source, "process id", pid)
+    if n < 1 or not 0 <= pid < n:
+        raise WorldError(f"{source}: process id {pid} is not in [0, {n}) for {n} processes")
+    host, _, port = str(coordinator).rpartition(":")
+    if n > 1 and (not host or not port.isdigit()):
+        raise WorldError(f"{source}: coordinator {coordinator!r} must be HOST:PORT")
+    return World(str(coordinator) if n > 1 else None, n, pid, source, local_ids)
+
+
+def _slurm_coordinator(env: Mapping[str, str]) -> str:
+    """The first host of the step's node list and JAX's port for this job id (as jax's SlurmCluster does)."""
+    nodes = env["SLURM_STEP_NODELIST"]
+    cut = next((i for i, ch in enumerate(nodes) if ch in ",["), len(nodes))
+    host = nodes[:cut]
+    if cut < len(nodes) and nodes[cut] == "[":
+        rest = nodes[cut + 1 :]
+        host += rest[: next((i for i, ch in enumerate(rest) if ch in ",-]"), len(rest))]
+    return f"{host}:{int(env['SLURM_JOB_ID']) % 2**12 + (65535 - 2**12 + 1)}"
+
+
+def resolve_world(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    local_device_ids: tuple[int, ...] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> World:
+    """The job this process belongs to, from the first of: explicit options, JAX's variables, torchrun's
+    variables, SLURM's, Open MPI's; one process alone when none is there.
+
+    The first three must agree where more than one is given; SLURM and Open MPI are only consulted when none
+    is (a launcher running inside a SLURM allocation describes its own workers with JAX's variables).
+    """
+    env = os.environ if env is None else env
+    found: list[World] = []
+    if any(v is not None for v in (coordinator, num_processes, process_id)):
+        found.append(_checked("explicit options", coordinator, num_processes, process_id, local_device_ids))
+    if any(env.get(k) for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")):
+        ids = env.get("JDP_LOCAL_DEVICE_IDS")
+        local = tuple(_int("JDP_LOCAL_DEVICE_IDS", "id", i) for i in ids.split(",")) if ids else None
+        found.append(
+            _checked(
+                "JAX_* variables",
+                env.get("JAX_COORDINATOR_ADDRESS"),
+                env.get("JAX_NUM_PROCESSES"),
+                env.get("JAX_PROCESS_ID"),
+                local,
+            )
+        )
+    if any(env.get(k) for k in ("WORLD_SIZE", "RANK")):
+        addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+        n = env.get("WORLD_SIZE")
+        coord = f"{addr}:{port}" if addr and port else ("localhost:0" if n == "1" else None)
+        # torchrun starts one process per GPU: LOCAL_RANK picks this process's GPU.
+        per_node = _int("torchrun", "LOCAL_WORLD_SIZE", env.get("LOCAL_WORLD_SIZE", "1"))
+        local = (_int("torchrun", "LOCAL_RANK", env["LOCAL_RANK"]),) if per_node > 1 and env.get("LOCAL_RANK") else None
+        found.append(
+            _checked(
+                "torchrun variables (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK)", coord, n, env.get("RANK"), local
+            )
+        )
+    if found:
+        first = found[0]
+        for other in found[1:]:
+            if (other.num_processes, other.process_id) != (first.num_processes, first.process_id) or (
+                other.num_processes > 1 and other.coordinator != first.coordinator
+            ):
+                raise WorldError(
+                    f"contradictory job description: {first.source} say process {first.process_id} of "
+                    f"{first.num_processes} at {first.coordinator}, {other.source} say process {other.process_id} "
+                    f"of {other.num_processes} at {other.coordinator}; remove one of them"
+                )
+        return first
+    if all(k in env for k in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")):
+        n = _int("SLURM", "SLURM_NTASKS", env["SLURM_NTASKS"])
+        world = _checked("SLURM variables", _slurm_coordinator(env), n, env["SLURM_PROCID"])
+        return dataclasses.replace(world, auto_detect=n > 1)
+    if "OMPI_COMM_WORLD_SIZE" in env:
+        n, pid = env["OMPI_COMM_WORLD_SIZE"], env.get("OMPI_COMM_WORLD_RANK")
+        world = _checked("Open MPI variables", "auto:0", n, pid)
+        return dataclasses.replace(world, coordinator=None, auto_detect=world.num_processes > 1)
+    return World(None, 1, 0, "no job description found")
+
+
+def initialize(world: World, init_timeout_s: int = 300, heartbeat_timeout_s: int = 100) -> None:
+    """Join the job `world` describes (nothing to do for one process). Call before anything touches devices.
+
+    If the other processes have not all arrived within init_timeout_s, this process exits with a message
+    naming the phase and what it waited for, instead of JAX's abort from deep inside its runtime.
+    """
+    if world.num_processes == 1:
+        return
+    import jax
+
+    # CPU collectives across processes need gloo; GPU collectives use NCCL regardless of this setting.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    joined = threading.Event()
+
+    def watchdog() -> None:
+        if not joined.wait(init_timeout_s):
+            waited_for = (
+                f"all {world.num_processes} processes to register with this coordinator"
+                if world.process_id == 0
+                else f"the coordinator (process 0) at {world.coordinator or 'the auto-detected address'}"
+            )
+            print(
+                f"jdp: error: process {world.process_id} of {world.num_processes} gave up after {init_timeout_s} s "
+                f"waiting for {waited_for} (phase: initialization). A process never started, died before "
+                f"joining, or cannot reach the coordinator; check the other processes' logs and the address, "
+                f"or raise parallel.init_timeout_s.",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(3)
+
+    threading.Thread(target=watchdog, daemon=True, name="jdp-init-watchdog").start()
+    kwargs = {}
+    if not world.auto_detect:
+        kwargs = dict(
+            coordinator_address=world.coordinator, num_processes=world.num_processes, process_id=world.process_id
+        )
+    jax.distributed.initialize(
+        **kwargs,
+        local_device_ids=list(world.local_device_ids) if world.local_device_ids else None,
+        initialization_timeout=init_timeout_s + 30,  # our watchdog speaks first
+        heartbeat_timeout_seconds=heartbeat_timeout_s,
+    )
+    joined.set()
+
+
+def collective_flags(bucket_mb: float) -> dict[str, str]:
+    """The XLA options jdp wants for its gradient all-reduces (see set_xla_flags)."""
+    threshold = int(bucket_mb * 2**20) if bucket_mb > 0 else 2**40
+    return {
+        # GPUs: collectives already run asynchronously by default in this XLA; the latency-hiding scheduler
+        # moves each bucket's all-reduce-start as early as its gradients exist, so it overlaps the rest of
+        # backward, and a dedicated high-priority stream keeps it from queueing behind compute kernels.
+        "xla_gpu_enable_latency_hiding_scheduler": "true",
+        "xla_gpu_enable_highest_priority_async_stream": "true",
+        # XLA merges neighbouring all-reduces up to this size: the bucket size, so it keeps jdp's buckets.
+        "xla_gpu_all_reduce_combine_threshold_bytes": str(threshold),
+        # CPU: XLA would merge every all-reduce of the step into one; keep the buckets as planned.
+        "xla_disable_hlo_passes": "cpu-all-reduce-combiner",
+    }
+
+
+def cpu_speed_flags() -> dict[str, str]:
+    """XLA:CPU options measured faster for jdp's steps (README, Performance); only for the versions measured.
+
+    An XLA_FLAGS entry this XLA does not know aborts the process, so experimental flags are version-gated.
+    """
+    import jaxlib
+
+    if not jaxlib.__version__.startswith("0.10."):
+        return {}
+    # jaxlib 0.10 hands matrix multiplies to YNNPACK, which ran jdp's tiny step slower than XLA's own Eigen
+    # dots on the CPU it was measured on (README, Performance): keep XLA's.
+    return {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def set_xla_flags(bucket_mb: float = 25.0, environ: dict | None = None) -> list[str]:
+    """Add jdp's collective (and CPU speed) options to XLA_FLAGS where the user has not set them; returns the ones added.
+
+    XLA reads XLA_FLAGS once, when JAX first touches a device: call this before that (`jdp train` does).
+    A flag already in XLA_FLAGS is left exactly as the user set it.
+    """
+    environ = os.environ if environ is None else environ
+    current = environ.get("XLA_FLAGS", "")
+    present = set(re.findall(r"--([\w]+)", current))
+    wanted = {**collective_flags(bucket_mb), **cpu_speed_flags()}
+    added = [f"--{k}={v}" for k, v in wanted.items() if k not in present]
+    if added:
+        environ["XLA_FLAGS"] = " ".join([current, *added]).strip()
+    return added
+
+
+_GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")
+
+
+def keep_scratch_memory(environ: dict | None = None) -> bool:
+    """Keep XLA:CPU's per-step scratch memory mapped from one step to the next; True if this changed malloc.
+
+    XLA:CPU allocates a step's temporaries as one large block from a worker thread. glibc serves a block that
+    large from a thread's arena with a fresh mmap and unmaps it when freed, so every step page-faults all of it
+    in again (README, Performance, has the measurement). One arena (the main heap, which has no size cap), no
+    mmap and no trimming keep the block between steps, as PyTorch's caching allocators keep theirs; the price
+    is that freed host memory goes back to the OS only at exit. Call it before JAX first touches a device
+    (`jdp train` does). It does nothing where the C library is not glibc, where a GPU plugin is installed and
+    JAX_PLATFORMS does not say cpu (temporaries live on the GPU there), or where the user set malloc options of
+    their own (MALLOC_*, GLIBC_TUNABLES).
+    """
+    import ctypes
+    import importlib.util
+    import platform
+
+    environ = os.environ if environ is None else environ
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    if any(k.startswith("MALLOC_") for k in environ) or "glibc.malloc" in environ.get("GLIBC_TUNABLES", ""):
+        return False
+    cpu_only = environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu"
+    if not cpu_only and any(importlib.util.find_spec(name) for name in _GPU_PLUGINS):
+        return False
+    mallopt = ctypes.CDLL(None).mallopt
+    M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # <malloc.h>
+    return bool(mallopt(M_ARENA_MAX, 1) & mallopt(M_MMAP_MAX, 0) & mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
