@@ -6,23 +6,34 @@ Library use: build a Flax NNX model and a loss `loss_fn(model, batch) -> (loss_s
     graphdef, state = jdp.init_state(model, optimizer, mesh)
     step = jdp.make_train_step(graphdef, loss_fn, optimizer, mesh)
     state, metrics = step(state, jdp.shard_batch(local_batch, mesh))
+
+The names below (and jdp's modules, e.g. `jdp.parallel`) load on first use, so `import jdp` and the `jdp`
+command start without importing JAX.
 """
 
-from jdp.config import Config, ConfigError, load_config
-from jdp.model import GPT, lm_loss
-from jdp.optim import make_optimizer
-from jdp.parallel import (
-    TrainState,
-    init_state,
-    make_eval_step,
-    make_mesh,
-    make_train_step,
-    process_rows,
-    replica_mismatches,
-    shard_batch,
-)
-from jdp.train import train
+from __future__ import annotations
 
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "Config": "jdp.config",
+    "ConfigError": "jdp.config",
+    "load_config": "jdp.config",
+    "GPT": "jdp.model",
+    "lm_loss": "jdp.model",
+    "make_optimizer": "jdp.optim",
+    "TrainState": "jdp.parallel",
+    "init_state": "jdp.parallel",
+    "make_eval_step": "jdp.parallel",
+    "make_mesh": "jdp.parallel",
+    "make_train_step": "jdp.parallel",
+    "process_rows": "jdp.parallel",
+    "replica_mismatches": "jdp.parallel",
+    "shard_batch": "jdp.parallel",
+    "train": "jdp.train",
+}
 __all__ = [
     "GPT",
     "Config",
@@ -41,3 +52,35 @@ __all__ = [
     "train",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif importlib.util.find_spec(f"{__name__}.{name}") is not None:  # a module: jdp.parallel, jdp.world, ...
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+if TYPE_CHECKING:
+    from jdp.config import Config, ConfigError, load_config
+    from jdp.model import GPT, lm_loss
+    from jdp.optim import make_optimizer
+    from jdp.parallel import (
+        TrainState,
+        init_state,
+        make_eval_step,
+        make_mesh,
+        make_train_step,
+        process_rows,
+        replica_mismatches,
+        shard_batch,
+    )
+    from jdp.train import train

@@ -14,6 +14,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from jdp.config import Config, ConfigError
+from jdp.rundir import RunDir
 
 # Config keys a resumed run may change: they do not alter what the next step computes. (train.steps re-targets
 # the learning-rate schedule's cosine decay, which the user asked for by changing it.)
@@ -55,7 +56,8 @@ class Checkpoints:
     def __init__(self, run_dir: str | Path, keep: int, read_only: bool = False):
         """read_only: only restore (jdp generate): create, clean up and move nothing, since a training run may
         be writing its next checkpoint into this directory right now; damaged ones are skipped, left in place."""
-        self.dir = Path(run_dir).absolute() / "checkpoints"
+        self.run_dir = RunDir(Path(run_dir).absolute())
+        self.dir = self.run_dir.checkpoints
         self.read_only = read_only
         if read_only:
             options = ocp.CheckpointManagerOptions(
@@ -132,7 +134,7 @@ class Checkpoints:
         if self.read_only:
             return
         if steps and jax.process_index() == 0:
-            aside = self.dir.parent / "damaged-checkpoints"
+            aside = self.run_dir.damaged_checkpoints
             aside.mkdir(exist_ok=True)
             for step in steps:
                 shutil.move(str(self.dir / str(step)), str(aside / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"))

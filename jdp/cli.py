@@ -9,6 +9,29 @@ import sys
 from pathlib import Path
 
 from jdp.config import ConfigError, split_config_args
+from jdp.hardware import DEFAULT_MFU, GPUS, INTERCONNECTS
+
+
+def generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by jdp train")
+    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate at most (default 200)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8)")
+    parser.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest tokens; 0: all (default 40)")
+    parser.add_argument("--seed", type=int, default=0, help="the same seed gives the same text (default 0)")
+
+
+def plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("args", nargs="*", metavar="[CONFIG] [section.key=value ...]")
+    parser.add_argument("--devices", type=int, required=True, help="the number of GPUs to plan for")
+    parser.add_argument("--gpu", default="H100", help=f"one of {', '.join(GPUS)} (default H100)")
+    link = parser.add_mutually_exclusive_group()
+    link.add_argument("--interconnect", help=f"all-reduce over this link for every N: {', '.join(INTERCONNECTS)}")
+    link.add_argument("--bandwidth", type=float, metavar="GBPS", help="all-reduce bus bandwidth in GB/s, every N")
+    mfu = parser.add_mutually_exclusive_group()
+    mfu.add_argument("--mfu", type=float, help=f"assumed model FLOPs utilisation (default {DEFAULT_MFU})")
+    mfu.add_argument("--calibrate", metavar="RUN_DIR", help="use the median MFU measured in a run's metrics.jsonl")
+    parser.add_argument("--json", action="store_true", help="also print the plan as one JSON line")
 
 
 def _device_ids(text: str) -> tuple[int, ...]:
@@ -48,7 +71,7 @@ def _allreduce(args: argparse.Namespace) -> int:
         ).strip()
     from jdp import world
     from jdp.config import load_config
-    from jdp.train import all_reduce_report
+    from jdp.hlo import all_reduce_report
 
     config, overrides = split_config_args(args.args)
     cfg = load_config(config, overrides)
@@ -64,6 +87,12 @@ def _plot(args: argparse.Namespace) -> int:
     from jdp import plot
 
     return plot.run(args)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from jdp import generate
+
+    return generate.run(args)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -84,79 +113,26 @@ def _launch(args: argparse.Namespace) -> int:
         return 2
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="jdp", description="Data-parallel training of Flax models with JAX.")
-    sub = parser.add_subparsers(dest="command_name", required=True)
-
-    p = sub.add_parser(
-        "train",
-        help="train a model",
-        description="Train. CONFIG is a YAML path or a name in configs/ (default: tiny). The job to join "
-        "comes from these options, else JAX_* variables, else torchrun's, else SLURM's or Open MPI's.",
-        epilog="example: jdp train configs/tiny.yaml train.steps=100 optim.lr=3e-4",
-    )
+def train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("args", nargs="*", metavar="[CONFIG] [section.key=value ...]")
     p.add_argument("--coordinator", help="HOST:PORT of process 0, for a multi-process job")
     p.add_argument("--num-processes", type=int, help="number of processes in the job")
     p.add_argument("--process-id", type=int, help="this process's id, 0 .. num-processes-1")
     p.add_argument("--local-device-ids", type=_device_ids, help="this process's GPUs, e.g. 0,1")
-    p.set_defaults(func=_train)
 
-    p = sub.add_parser(
-        "allreduce",
-        help="list the all-reduces of the compiled train step for a config",
-        description="Compile the train step of CONFIG (no data, no training) and print each all-reduce XLA "
-        "kept: bytes, operand, whether it sits in a loop, and which gradients it carries. The gradient "
-        "all-reduces add up to the parameter bytes (half of them with parallel.reduce_dtype=bfloat16).",
-        epilog="example: jdp allreduce configs/gpt2-small.yaml parallel.bucket_mb=25 --devices 8",
-    )
+
+def allreduce_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("args", nargs="*", metavar="[CONFIG] [section.key=value ...]")
     p.add_argument("--devices", type=int, help="compile for N simulated CPU devices instead of this machine's")
     p.add_argument("--json", action="store_true", help="also print the numbers as one JSON line")
-    p.set_defaults(func=_allreduce)
 
-    p = sub.add_parser(
-        "plot",
-        help="plot loss and throughput of one run or several",
-        description="Training and validation loss against steps and against tokens, and tokens/s, from each "
-        "RUN_DIR's metrics.jsonl; several runs are overlaid.",
-        epilog="example: jdp plot runs/a runs/b -o compare.png",
-    )
+
+def plot_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
     p.add_argument("-o", "--out", type=Path, help="the PNG to write (default: RUN_DIR/plot.png of the first run)")
-    p.set_defaults(func=_plot)
 
-    from jdp import generate  # its arguments live beside the code that uses them
 
-    p = sub.add_parser(
-        "generate",
-        help="continue a prompt with a run's latest checkpoint",
-        description="Load RUN_DIR's newest checkpoint on one device and print the prompt and a sampled "
-        "continuation; the same seed gives the same text.",
-        epilog="example: jdp generate runs/tiny-20260101-120000 --prompt 'def main():' --temperature 0.7",
-    )
-    generate.add_arguments(p)
-    p.set_defaults(func=generate.run)
-
-    from jdp import plan
-
-    p = sub.add_parser(
-        "plan",
-        help="memory, step time and scaling of a config on N GPUs, before paying for them",
-        description="Predict, on any machine, memory per device, the step split into compute and gradient "
-        "all-reduce, and tokens/s and scaling efficiency for N = 1 .. 1024 GPUs (README: Planning a run).",
-        epilog="example: jdp plan gpt2-small --devices 64 --gpu H100 --interconnect ib-ndr",
-    )
-    plan.add_arguments(p)
-    p.set_defaults(func=_plan)
-
-    p = sub.add_parser(
-        "launch",
-        help="start the workers of this node (torchrun-style)",
-        description="Start --nproc-per-node workers on this node, each with its own GPUs (or CPU devices), "
-        "prefix their output with their rank, forward signals, and stop them all if one fails.",
-        epilog="example: jdp launch --nproc-per-node 2 -- train configs/tiny.yaml train.steps=100",
-    )
+def launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc-per-node", type=int, required=True, help="workers on this node")
     p.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0 .. nnodes-1")
@@ -171,8 +147,75 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--grace-s", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL when stopping")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the jdp command to run, e.g. -- train CONFIG")
-    p.set_defaults(func=_launch)
 
+
+# name: (what it runs, its arguments, one-line help, description, example)
+COMMANDS = {
+    "train": (
+        _train,
+        train_arguments,
+        "train a model",
+        "Train. CONFIG is a YAML path or a name in configs/ (default: tiny). The job to join comes from these "
+        "options, else JAX_* variables, else torchrun's, else SLURM's or Open MPI's.",
+        "jdp train configs/tiny.yaml train.steps=100 optim.lr=3e-4",
+    ),
+    "allreduce": (
+        _allreduce,
+        allreduce_arguments,
+        "list the all-reduces of the compiled train step for a config",
+        "Compile the train step of CONFIG (no data, no training) and print each all-reduce XLA kept: bytes, "
+        "operand, whether it sits in a loop, and which gradients it carries. The gradient all-reduces add up to "
+        "the parameter bytes (half of them with parallel.reduce_dtype=bfloat16).",
+        "jdp allreduce configs/gpt2-small.yaml parallel.bucket_mb=25 --devices 8",
+    ),
+    "plot": (
+        _plot,
+        plot_arguments,
+        "plot loss and throughput of one run or several",
+        "Training and validation loss against steps and against tokens, and tokens/s, from each RUN_DIR's "
+        "metrics.jsonl; several runs are overlaid.",
+        "jdp plot runs/a runs/b -o compare.png",
+    ),
+    "generate": (
+        _generate,
+        generate_arguments,
+        "continue a prompt with a run's latest checkpoint",
+        "Load RUN_DIR's newest checkpoint on one device and print the prompt and a sampled continuation; the "
+        "same seed gives the same text.",
+        "jdp generate runs/tiny-20260101-120000 --prompt 'def main():' --temperature 0.7",
+    ),
+    "plan": (
+        _plan,
+        plan_arguments,
+        "memory, step time and scaling of a config on N GPUs, before paying for them",
+        "Predict, on any machine, memory per device, the step split into compute and gradient all-reduce, and "
+        "tokens/s and scaling efficiency for N = 1 .. 1024 GPUs (README: Planning a run).",
+        "jdp plan gpt2-small --devices 64 --gpu H100 --interconnect ib-ndr",
+    ),
+    "launch": (
+        _launch,
+        launch_arguments,
+        "start the workers of this node (torchrun-style)",
+        "Start --nproc-per-node workers on this node, each with its own GPUs (or CPU devices), prefix their "
+        "output with their rank, forward signals, and stop them all if one fails.",
+        "jdp launch --nproc-per-node 2 -- train configs/tiny.yaml train.steps=100",
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every command's arguments; building it imports nothing heavy (no JAX), so `jdp --help` is instant."""
+    parser = argparse.ArgumentParser(prog="jdp", description="Data-parallel training of Flax models with JAX.")
+    sub = parser.add_subparsers(dest="command_name", required=True)
+    for name, (run, arguments, summary, description, example) in COMMANDS.items():
+        p = sub.add_parser(name, help=summary, description=description, epilog=f"example: {example}")
+        arguments(p)
+        p.set_defaults(func=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and hasattr(args, "args") and not any(x.startswith("-") for x in extra):
         args.args += extra  # overrides given after an option: jdp allreduce tiny --devices 4 parallel.bucket_mb=1

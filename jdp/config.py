@@ -11,6 +11,8 @@ from typing import Any
 
 import yaml
 
+from jdp.rundir import RunDir
+
 
 class ConfigError(ValueError):
     """A config that cannot run; raised before any data is loaded or anything is compiled."""
@@ -306,7 +308,7 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Derived:
 
 def save_config(cfg: Config, run_dir: str | Path) -> Path:
     """Write the resolved config as YAML into the run directory (loadable again with load_config)."""
-    path = Path(run_dir) / "config.yaml"
+    path = RunDir(run_dir).config
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(json.loads(json.dumps(cfg.to_dict())), sort_keys=False))
     return path

@@ -10,6 +10,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import jax
 
@@ -97,8 +99,18 @@ class Watchdog:
             kv.key_value_set(f"jdp/progress/{jax.process_index()}", str(step), allow_overwrite=True)
 
     def pause(self) -> None:
-        """Stop watching (long, legitimate waits: evaluation, a checkpoint save); progress() re-arms."""
+        """Stop watching (the final wait for a checkpoint); progress() re-arms."""
         self.armed = False
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Not watching during a long, legitimate wait (evaluation, a checkpoint save); watching again after it,
+        from the time it ended, if it was watching before."""
+        armed, self.armed = self.armed, False
+        try:
+            yield
+        finally:
+            self.last, self.armed = time.monotonic(), armed
 
     def _run(self) -> None:
         while not self._stop.wait(1.0):

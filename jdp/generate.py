@@ -14,11 +14,12 @@ import numpy as np
 from flax import nnx
 
 from jdp import parallel
+from jdp.build import build
 from jdp.checkpoint import Checkpoints
 from jdp.config import Config, ConfigError, load_config
 from jdp.model import GPT
+from jdp.rundir import RunDir
 from jdp.tokens import ByteTokenizer, HFTokenizer, load_tokenizer
-from jdp.train import build
 
 Tokenizer = ByteTokenizer | HFTokenizer
 
@@ -29,13 +30,13 @@ def load_run(run_dir: str | Path) -> tuple[Config, GPT, Tokenizer, int]:
     The checkpoint may come from any number of devices: every leaf is replicated, and orbax restores it
     into the one-device template's sharding.
     """
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").is_file():
+    run = RunDir(run_dir)
+    if not run.config.is_file():
         raise ConfigError(f"{run_dir} is not a jdp run directory (it has no config.yaml); give a run's train.run_dir")
-    cfg = load_config(run_dir / "config.yaml")
+    cfg = load_config(run.config)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    if not (run_dir / "checkpoints").is_dir():
-        raise ConfigError(f"{run_dir} has no checkpoint yet (no {run_dir / 'checkpoints'}); train it first")
+    if not run.checkpoints.is_dir():
+        raise ConfigError(f"{run_dir} has no checkpoint yet (no {run.checkpoints}); train it first")
     ckpts = Checkpoints(run_dir, keep=1, read_only=True)  # a training run may be writing next to us
     try:
         steps = ckpts.steps()
@@ -137,15 +138,6 @@ def generate(
     """
     prompt_ids, new = sample_tokens(model, tokenizer, prompt, max_new_tokens, temperature, top_k, seed)
     return tokenizer.decode(prompt_ids + new)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by jdp train")
-    parser.add_argument("--prompt", required=True, help="the text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate at most (default 200)")
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8)")
-    parser.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest tokens; 0: all (default 40)")
-    parser.add_argument("--seed", type=int, default=0, help="the same seed gives the same text (default 0)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,29 +1,22 @@
-"""Measuring a run: model FLOPs, peak FLOP/s (and so MFU), and the metrics.jsonl writer."""
+"""Measuring a run: model FLOPs and MFU, per-step records, the goodput account, parameter fingerprints, and the
+metrics.jsonl writer (mirrored to TensorBoard and W&B)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import time
 import uuid
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jdp.config import Config
-
-# Dense (not sparse) peak FLOP/s per device from the vendors' datasheets, by compute dtype. float32 matmuls
-# on these GPUs run on tensor cores as TF32 by XLA's default precision, so the TF32 peak is listed.
-GPU_PEAK_FLOPS = {
-    "B200": {"bfloat16": 2250e12, "float16": 2250e12, "float32": 1100e12},
-    "H200": {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12},
-    "H100": {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12},  # SXM; PCIe is lower
-    "A100": {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
-    "L40S": {"bfloat16": 362e12, "float16": 362e12, "float32": 183e12},
-    "L4": {"bfloat16": 121e12, "float16": 121e12, "float32": 60e12},
-    "A10": {"bfloat16": 125e12, "float16": 125e12, "float32": 62.5e12},
-    "V100": {"float16": 125e12, "float32": 15.7e12},
-}
+from jdp.hardware import GPU_PEAK_FLOPS
+from jdp.rundir import RunDir
 
 
 def flops_per_token(cfg: Config) -> float:
@@ -89,6 +82,7 @@ class MetricsLog:
         self._tb = self._wandb = None
         if not enabled:
             return
+        run = RunDir(self.path.parent)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = self.path.open("a")
         if tensorboard:
@@ -96,11 +90,11 @@ class MetricsLog:
 
             # Events from a step after the resume point are dropped (TensorBoard purges steps >= purge_step).
             purge = None if resume_step is None else resume_step + 1
-            self._tb = SummaryWriter(str(self.path.parent / "tensorboard"), purge_step=purge)
+            self._tb = SummaryWriter(str(run.tensorboard), purge_step=purge)
         if wandb_project:
             import wandb
 
-            id_file = self.path.parent / "wandb-run-id"  # the same W&B run across restarts of this run
+            id_file = run.wandb_run_id  # the same W&B run across restarts of this run
             run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
             id_file.write_text(run_id)
             self._wandb = wandb.init(
@@ -165,9 +159,133 @@ def supersede(path: str | Path, after_step: int) -> int:
         if line.strip():
             (moved if json.loads(line)["step"] > after_step else keep).append(line)
     if moved:
-        with path.with_name("metrics.superseded.jsonl").open("a") as f:
+        with RunDir(path.parent).superseded_metrics.open("a") as f:
             f.write("\n".join(moved) + "\n")
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(line + "\n" for line in keep))
         tmp.replace(path)
     return len(moved)
+
+
+def lost_steps(metrics_path: str | Path, start: int) -> int:
+    """Steps the previous attempt logged after the checkpoint this run resumes from: work done twice."""
+    if not Path(metrics_path).exists():
+        return 0
+    steps = [r["step"] for r in read_metrics(metrics_path) if "loss" in r]
+    return max(0, max(steps, default=start) - start)
+
+
+class StepMeter:
+    """Turns each finished step's metrics into metrics.jsonl records: throughput and MFU since the previous record
+    (the interval that includes compilation reports none), data wait, and the non-finite steps skipped."""
+
+    def __init__(self, cfg: Config, tokens_per_step: int, peak: float, epoch_of):
+        self.cfg, self.tokens_per_step, self.peak, self.epoch_of = cfg, tokens_per_step, peak, epoch_of
+        self.flops_per_token = flops_per_token(cfg)
+        self.t: float | None = None  # when the current throughput interval started
+        self.tokens = 0  # tokens trained in it
+        self.tps: float | None = None  # the last throughput measured
+        self.wait = 0.0  # the loader's total wait at the previous record
+        self.skipped = 0  # non-finite steps since the previous record
+        self.bad_run = 0  # non-finite steps in a row
+        self.bad_total = 0
+
+    def count(self, m: dict[str, float]) -> None:
+        """Account for one finished step (before deciding whether the run can go on)."""
+        if self.t is not None:
+            self.tokens += self.tokens_per_step
+        if m["skipped"]:
+            self.skipped += 1
+            self.bad_total += 1
+            self.bad_run += 1
+        else:
+            self.bad_run = 0
+
+    def record(self, step: int, m: dict[str, float], data_wait_s: float) -> dict | None:
+        """The metrics.jsonl record of step `step` if one is due (every train.log_every steps, and the last)."""
+        t = self.cfg.train
+        now, tps, record = time.perf_counter(), None, None
+        if step % t.log_every == 0 or step == t.steps:
+            if self.t is not None and now > self.t:
+                tps = self.tps = self.tokens / (now - self.t)
+            record = {
+                "step": step,
+                "loss": m["loss"],
+                "grad_norm": m["grad_norm"],
+                "lr": m["lr"],
+                "tokens_per_sec": tps,
+                "mfu": None if tps is None or math.isnan(self.peak) else self.flops_per_token * tps / self.peak,
+                "epoch": self.epoch_of(step),
+                "tokens": step * self.tokens_per_step,
+                # Seconds the loop waited for this process's batches since the previous record.
+                "data_wait_s": data_wait_s - self.wait,
+                "skipped_steps": self.skipped,  # non-finite updates skipped since the previous record
+                "skipped_total": self.bad_total,
+            }
+            self.wait, self.skipped = data_wait_s, 0
+        if self.t is None or tps is not None:
+            self.restart()
+        return record
+
+    def restart(self) -> None:
+        """Start a new throughput interval now (after evaluation: its time is not training throughput)."""
+        self.t, self.tokens = time.perf_counter(), 0
+
+
+GOODPUT_PARTS = ("compile_s", "eval_s", "checkpoint_s", "replica_checks_s")  # timed inside the loop
+
+
+def goodput(startup_s: float, spent: dict, loop_s: float, data_wait_s: float, steps: int, lost: int) -> dict:
+    """Where a run's wall-clock time went, in seconds, and the fraction spent on useful training steps.
+
+    Training steps are the loop's time less compilation, data waits, evaluation, checkpoint saves and replica
+    checks (GOODPUT_PARTS, in `spent`). Lost work is the steps an earlier attempt ran past its last checkpoint,
+    redone by this run, priced at this run's mean step time: it is inside "training steps" but produced nothing new.
+    """
+    steps_s = max(0.0, loop_s - data_wait_s - sum(spent[k] for k in GOODPUT_PARTS))
+    step_s = steps_s / steps if steps else 0.0
+    lost_s = min(steps_s, lost * step_s)
+    wall_s = startup_s + loop_s
+    out = {
+        "wall_s": wall_s,
+        "startup_s": startup_s,
+        "compile_s": spent["compile_s"],
+        "data_wait_s": data_wait_s,
+        "train_steps_s": steps_s - lost_s,
+        "eval_s": spent["eval_s"],
+        "checkpoint_s": spent["checkpoint_s"],
+        "replica_checks_s": spent["replica_checks_s"],
+        "lost_work_s": lost_s,
+        "lost_steps": lost,
+    }
+    out["goodput"] = out["train_steps_s"] / wall_s if wall_s > 0 else 0.0
+    return out
+
+
+def describe_goodput(g: dict) -> str:
+    rows = [(k[: -len("_s")].replace("_", " "), g[k]) for k in g if k.endswith("_s") and k != "wall_s"]
+    lines = [f"jdp | goodput {g['goodput']:.1%} of {g['wall_s']:.1f} s wall-clock:"]
+    for name, sec in rows:
+        extra = (
+            f" ({g['lost_steps']} steps redone after the restart)" if name == "lost work" and g["lost_steps"] else ""
+        )
+        lines.append(f"jdp |   {name:<15} {sec:8.1f} s  {sec / g['wall_s']:6.1%}{extra}")
+    return "\n".join(lines)
+
+
+def fingerprint(params) -> dict[str, list[float]]:
+    """Per parameter: sum, L2 norm and the dot product with a fixed random vector, to compare runs to rounding."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        x = np.asarray(leaf.addressable_shards[0].data, np.float64).ravel()  # replicated: any local copy
+        probe = np.random.default_rng(x.size).standard_normal(x.size)
+        out[jax.tree_util.keystr(path)] = [float(x.sum()), float(np.linalg.norm(x)), float(x @ probe)]
+    return out
+
+
+def params_sha256(params) -> str:
+    """The exact bytes of the parameters (any local replica): equal digests mean bit-identical parameters."""
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(params):
+        h.update(np.asarray(leaf.addressable_shards[0].data).tobytes())
+    return h.hexdigest()

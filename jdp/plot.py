@@ -10,10 +10,11 @@ from pathlib import Path
 
 from jdp.config import ConfigError
 from jdp.metrics import read_metrics
+from jdp.rundir import RunDir
 
 
 def load_run(run_dir: Path) -> dict[str, list]:
-    path = run_dir / "metrics.jsonl"
+    path = RunDir(run_dir).metrics
     if not path.exists():
         raise ConfigError(f"{run_dir} is not a jdp run directory: it has no metrics.jsonl")
     records = read_metrics(path)

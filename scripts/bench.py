@@ -70,11 +70,11 @@ def measure_single(config: str, overrides: list[str], rounds: int, steps: int) -
     from flax import nnx
 
     from jdp import parallel
+    from jdp.build import build
     from jdp.data import Prefetcher, load_data
     from jdp.metrics import flops_per_token, peak_flops
     from jdp.model import GPT, lm_loss
     from jdp.optim import make_optimizer
-    from jdp.train import build
 
     t = cfg.train
     mesh = parallel.make_mesh(jax.devices()[:1])
@@ -167,7 +167,7 @@ def measure_ddp_dp(config: str, overrides: list[str], rounds: int, steps: int) -
     import numpy as np
 
     from jdp import parallel
-    from jdp.train import build
+    from jdp.build import build
 
     mesh = parallel.make_mesh()
     t = cfg.train

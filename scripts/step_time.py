@@ -31,7 +31,7 @@ def main() -> None:
     import numpy as np
 
     from jdp import parallel
-    from jdp.train import build
+    from jdp.build import build
 
     mesh = parallel.make_mesh()
     _, state, step, _ = build(cfg, mesh)

@@ -9,9 +9,11 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
+from jdp.cli import generate_arguments
 from jdp.config import ConfigError, load_config
-from jdp.generate import add_arguments, generate, load_run, run, sample_tokens
-from jdp.train import params_sha256, train
+from jdp.generate import generate, load_run, run, sample_tokens
+from jdp.metrics import params_sha256
+from jdp.train import train
 
 P = 64  # model.max_seq_len of the test run
 TINY = [f"model.max_seq_len={P}", f"data.seq_len={P}", "model.n_layers=1", "model.d_model=64"]
@@ -91,7 +93,7 @@ def test_top_k_one_is_greedy(loaded):
 
 def cli(argv):
     parser = argparse.ArgumentParser()
-    add_arguments(parser)
+    generate_arguments(parser)
     return run(parser.parse_args(argv))
 
 

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jdp import parallel, plan
+from jdp import hardware, parallel, plan
+from jdp.build import batch_spec, build
+from jdp.cli import plan_arguments
 from jdp.config import ConfigError, load_config, save_config
 from jdp.model import GPT, lm_loss
 from jdp.optim import make_optimizer
-from jdp.train import batch_spec, build
 
 TINY = ["train.batch_size=8"]
 
@@ -120,10 +121,10 @@ def test_the_ring_crosses_the_network_beyond_one_node():
     p = plan.make_planner(load_config("gpt2-small"))
     assert [p.step(n, 64).link for n in (2, 8, 16, 512)] == ["nvlink4", "nvlink4", "ib-ndr", "ib-ndr"]
     assert p.step(16, 64).busbw_gbs == min(
-        plan.INTERCONNECTS["nvlink4"].busbw_gbs, plan.INTERCONNECTS["ib-ndr"].busbw_gbs
+        hardware.INTERCONNECTS["nvlink4"].busbw_gbs, hardware.INTERCONNECTS["ib-ndr"].busbw_gbs
     )
     a100 = plan.make_planner(load_config("gpt2-small"), gpu="A100")
-    assert a100.step(64, 64).busbw_gbs == plan.INTERCONNECTS["ib-hdr"].busbw_gbs
+    assert a100.step(64, 64).busbw_gbs == hardware.INTERCONNECTS["ib-hdr"].busbw_gbs
 
 
 @pytest.mark.parametrize("grad_accum", [1, 4])
@@ -170,8 +171,8 @@ def test_calibration_from_a_run_directory(tmp_path):
     cfg = load_config("tiny", TINY)
     assumed = plan.make_plan(cfg, 2)
     calibrated = plan.make_plan(cfg, 2, calibrate=tmp_path)
-    assert assumed.mfu == plan.DEFAULT_MFU and calibrated.mfu == 0.25  # the median of the measured MFUs
-    assert math.isclose(calibrated.step.compute_s, assumed.step.compute_s * plan.DEFAULT_MFU / 0.25, rel_tol=1e-12)
+    assert assumed.mfu == hardware.DEFAULT_MFU and calibrated.mfu == 0.25  # the median of the measured MFUs
+    assert math.isclose(calibrated.step.compute_s, assumed.step.compute_s * hardware.DEFAULT_MFU / 0.25, rel_tol=1e-12)
     assert "calibrated" in calibrated.mfu_source and "4 device(s)" in calibrated.mfu_source
     assert str(tmp_path / "metrics.jsonl") in calibrated.mfu_source and "different model" not in calibrated.mfu_source
     save_config(load_config("tiny", ["model.d_model=64"]), tmp_path)  # the run trained another model
@@ -184,15 +185,15 @@ def test_unknown_gpu_or_interconnect_lists_the_known_ones():
     cfg = load_config("tiny", TINY)
     with pytest.raises(ConfigError) as gpu:
         plan.make_planner(cfg, gpu="H900")
-    assert all(name in str(gpu.value) for name in plan.GPUS)
+    assert all(name in str(gpu.value) for name in hardware.GPUS)
     with pytest.raises(ConfigError) as link:
         plan.make_planner(cfg, interconnect="nvlink9")
-    assert all(name in str(link.value) for name in plan.INTERCONNECTS)
+    assert all(name in str(link.value) for name in hardware.INTERCONNECTS)
 
 
 def _parser():
     parser = argparse.ArgumentParser(prog="jdp plan")
-    plan.add_arguments(parser)
+    plan_arguments(parser)
     return parser
 
 

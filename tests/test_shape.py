@@ -1,0 +1,108 @@
+"""The package's shape (README, How it is built): modules import downwards only, collectives live in parallel.py,
+fault injection in faults.py, no function outgrows a screen, and the command line starts without JAX."""
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+JDP = ROOT / "jdp"
+MODULES = {p.stem: p for p in JDP.glob("*.py") if p.stem != "__init__"}
+
+
+def imports(path: Path) -> set[str]:
+    """The jdp modules `path` imports, at the top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("jdp"):
+            if node.module == "jdp":  # from jdp import parallel
+                found |= {a.name for a in node.names if a.name in MODULES}
+            else:
+                found.add(node.module.removeprefix("jdp."))
+        elif isinstance(node, ast.Import):
+            found |= {a.name.removeprefix("jdp.") for a in node.names if a.name.startswith("jdp.")}
+    return found & set(MODULES)
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    graph = {name: imports(path) - {name} for name, path in MODULES.items()}
+    cycles = []
+
+    def visit(name: str, stack: list[str]) -> None:
+        for dep in graph[name]:
+            if dep in stack:
+                cycles.append(" -> ".join([*stack[stack.index(dep) :], dep]))
+            elif dep not in done:
+                visit(dep, [*stack, dep])
+        done.add(name)
+
+    done: set[str] = set()
+    for name in graph:
+        visit(name, [name])
+    assert not cycles, f"import cycles among jdp modules: {sorted(set(cycles))}"
+
+
+def test_modules_import_only_modules_above_them_in_the_readme_table():
+    section = (ROOT / "README.md").read_text().split("## How it is built", 1)[1].split("\n## ", 1)[0]
+    rank = {}
+    for i, cell in enumerate(re.findall(r"^\| (`[^|]+`) \|", section, re.M)):
+        for name in re.findall(r"`(\w+)\.py`", cell):
+            rank[name] = i
+    assert set(rank) == set(MODULES), f"README's module table and jdp/ differ: {set(rank) ^ set(MODULES)}"
+    upward = [
+        f"{name} imports {dep}"
+        for name, path in MODULES.items()
+        for dep in imports(path) - {name}
+        if rank[dep] >= rank[name]
+    ]
+    assert not upward, f"imports of a module not above the importer in README's table: {upward}"
+
+
+def test_collectives_and_axis_names_live_in_parallel_only():
+    words = ("shard_map", "psum", "pmean", "all_gather", "PartitionSpec", "NamedSharding", "pcast", "pvary")
+    offenders = {
+        name: [w for w in words if w in path.read_text()] for name, path in MODULES.items() if name != "parallel"
+    }
+    assert not {k: v for k, v in offenders.items() if v}, offenders
+
+
+def test_fault_injection_variables_appear_only_in_faults_py():
+    offenders = [name for name, path in MODULES.items() if "JDP_TEST_" in path.read_text() and name != "faults"]
+    assert offenders == [], f"JDP_TEST_* read outside jdp/faults.py: {offenders}"
+
+
+def test_no_function_is_longer_than_a_screen():
+    long = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
+                long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not long, long
+
+
+def test_the_command_line_starts_without_importing_jax():
+    program = (
+        "import sys\nfrom jdp.cli import main\n"
+        "for argv in (['--help'], ['train', '--help'], ['plan', '--help'], ['generate', '--help']):\n"
+        "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+        "import jdp\njdp.__version__\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax', 'optax', 'orbax')))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout.strip().splitlines()[-1]
+
+
+def test_library_names_load_on_first_use():
+    out = subprocess.run(
+        [sys.executable, "-c", "import jdp; print(jdp.make_train_step.__module__, jdp.parallel.__name__)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["jdp.parallel", "jdp.parallel"]
