@@ -21,7 +21,7 @@ from jdp.rundir import RunDir
 RESUMABLE_CHANGES = {
     "train.steps", "train.log_every", "train.eval_every", "train.progress", "train.run_dir", "train.ckpt_every",
     "train.ckpt_keep", "train.resume", "train.check_replicas_every", "train.step_timeout_s", "train.max_bad_steps",
-    "data.prefetch", "data.num_proc", "data.cache_dir", "train.tensorboard", "train.wandb_project",
+    "data.prefetch", "data.num_proc", "data.cache_dir", "train.tensorboard", "train.wandb_project", "train.compile_cache",
     "parallel.init_timeout_s", "parallel.heartbeat_timeout_s",
     # How gradients travel changes rounding, not the state: a run may resume with another strategy or bucketing.
     "parallel.strategy", "parallel.bucket_mb", "parallel.reduce_dtype",

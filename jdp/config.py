@@ -78,6 +78,7 @@ class TrainConfig:
     step_timeout_s: int = 600  # no step finished for this long: a peer is stalled or dead, so exit
     tensorboard: bool = True  # TensorBoard event files in RUN_DIR/tensorboard, beside metrics.jsonl
     wandb_project: str = ""  # a Weights & Biases project name switches W&B logging on (needs `pip install wandb`)
+    compile_cache: bool = True  # JAX's persistent compilation cache under the jdp cache: restarts skip compiling
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,81 @@ from contextlib import contextmanager
 import jax
 
 
-def _kv():
-    """jax.distributed's key-value store (on the coordinator), or None in a single-process run."""
+class KeyValueStore:
+    """jax.distributed's key-value store on the coordinator: the one place jdp reaches into JAX's private API.
+
+    JAX has no public accessor for it (jax.distributed exports initialize, is_initialized and shutdown; JAX's
+    own multihost_utils reads the same private client). The public preemption sync point
+    (multihost_utils.reached_preemption_sync_point) covers SIGTERM only, not SIGINT, so StopAgreement keeps its
+    own key. Values read back are validated by their users: a malformed one is ignored, never trusted.
+    """
+
+    METHODS = ("key_value_set", "key_value_try_get", "key_value_dir_get")  # what jdp calls on JAX's client
+
+    def __init__(self, client):
+        self._client = client
+
+    def set(self, key: str, value: str, overwrite: bool = False) -> None:
+        self._client.key_value_set(key, value, allow_overwrite=overwrite)
+
+    def try_get(self, key: str) -> str | None:
+        """The value, or None when nobody has set the key yet."""
+        try:
+            return self._client.key_value_try_get(key)
+        except Exception:
+            return None
+
+    def dir_get(self, prefix: str) -> dict[str, str]:
+        return dict(self._client.key_value_dir_get(prefix))
+
+
+def missing_key_value_api() -> list[str]:
+    """What jdp needs of JAX's private key-value store that this JAX lacks (empty when all is there)."""
+    try:
+        from jax._src import distributed
+        from jax._src.lib import _jax
+    except ImportError as e:
+        return [f"cannot import it ({e})"]
+    missing = (
+        [] if hasattr(getattr(distributed, "global_state", None), "client") else ["distributed.global_state.client"]
+    )
+    client_type = getattr(_jax, "DistributedRuntimeClient", None)
+    if client_type is None:
+        return [*missing, "jax._src.lib._jax.DistributedRuntimeClient"]
+    return missing + [f"DistributedRuntimeClient.{m}" for m in KeyValueStore.METHODS if not hasattr(client_type, m)]
+
+
+_warned: set[str] = set()
+
+
+def step_value(key: str, text: str) -> int | None:
+    """A step number read back from the store, or None (with one warning per key) when it is not one: jdp wrote
+    it, but anything that reaches the coordinator can write there, and a bad value must not stop the job."""
+    value = int(text) if text.isascii() and text.isdigit() and len(text) < 19 else None
+    if value is None and key not in _warned:
+        _warned.add(key)
+        print(
+            f"jdp: warning: ignoring {key}={text[:40]!r} in the job's key-value store: not a step number",
+            file=sys.stderr,
+            flush=True,
+        )
+    return value
+
+
+def key_value_store() -> KeyValueStore | None:
+    """The job's key-value store, or None in a single-process run."""
+    if jax.process_count() == 1:
+        return None
     from jax._src import distributed
 
-    return distributed.global_state.client if jax.process_count() > 1 else None
+    client = getattr(getattr(distributed, "global_state", None), "client", None)
+    if client is None:
+        raise RuntimeError(
+            f"jax {jax.__version__} no longer exposes its key-value store where jdp looks for it "
+            f"(jax._src.distributed.global_state.client; missing: {missing_key_value_api() or 'the client'}); "
+            f"use a jax version in pyproject.toml's range"
+        )
+    return KeyValueStore(client)
 
 
 class StopAgreement:
@@ -50,13 +120,13 @@ class StopAgreement:
 
     def should_stop(self, done: int) -> bool:
         """Called before each step with the number of steps done: True once the agreed step is reached."""
-        kv = _kv()
+        kv = key_value_store()
         if self._pending is not None and self.stop_at is None:
             proposal = done + (self.MARGIN if kv else 0)
             name = signal.Signals(self._pending).name
             if kv:
                 try:
-                    kv.key_value_set(self.KEY, str(proposal))
+                    kv.set(self.KEY, str(proposal))
                 except Exception:
                     pass  # another process proposed first; its step is the one everybody reads
             print(
@@ -67,11 +137,8 @@ class StopAgreement:
             )
             if not kv:
                 self.stop_at = proposal
-        if kv and self.stop_at is None:
-            try:
-                self.stop_at = int(kv.key_value_try_get(self.KEY))
-            except Exception:
-                pass  # no proposal yet
+        if kv and self.stop_at is None and (agreed := kv.try_get(self.KEY)) is not None:
+            self.stop_at = step_value(self.KEY, agreed)
         return self.stop_at is not None and done >= self.stop_at
 
     def close(self) -> None:
@@ -86,6 +153,8 @@ class Watchdog:
     processes that are behind.
     """
 
+    PREFIX = "jdp/progress/"
+
     def __init__(self, timeout_s: float):
         self.timeout_s, self.step, self.last = timeout_s, 0, time.monotonic()
         self.armed = False
@@ -94,13 +163,9 @@ class Watchdog:
 
     def progress(self, step: int) -> None:
         self.step, self.last, self.armed = step, time.monotonic(), True
-        kv = _kv()
+        kv = key_value_store()
         if kv:
-            kv.key_value_set(f"jdp/progress/{jax.process_index()}", str(step), allow_overwrite=True)
-
-    def pause(self) -> None:
-        """Stop watching (the final wait for a checkpoint); progress() re-arms."""
-        self.armed = False
+            kv.set(f"{self.PREFIX}{jax.process_index()}", str(step), overwrite=True)
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -115,15 +180,8 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stop.wait(1.0):
             if self.armed and time.monotonic() - self.last > self.timeout_s:
-                behind = ""
                 try:
-                    kv = _kv()
-                    if kv:
-                        steps = {int(k.rsplit("/", 1)[1]): int(v) for k, v in kv.key_value_dir_get("jdp/progress/")}
-                        lagging = sorted(
-                            p for p in range(jax.process_count()) if steps.get(p, -1) < max(steps.values())
-                        )
-                        behind = f"; processes behind the others: {lagging or 'none'} (last steps: {steps})"
+                    behind = self._behind()
                 except Exception as e:
                     behind = f"; could not reach the coordinator to ask the others ({type(e).__name__})"
                 print(
@@ -134,6 +192,19 @@ class Watchdog:
                     flush=True,
                 )
                 os._exit(4)
+
+    def _behind(self) -> str:
+        """Which processes are behind, from the steps they last recorded (malformed records are ignored)."""
+        kv = key_value_store()
+        if not kv:
+            return ""
+        steps = {}
+        for key, text in kv.dir_get(self.PREFIX).items():
+            process, step = key.rsplit("/", 1)[-1], step_value(key, text)
+            if process.isdigit() and int(process) < jax.process_count() and step is not None:
+                steps[int(process)] = step
+        lagging = sorted(p for p in range(jax.process_count()) if steps.get(p, -1) < max(steps.values(), default=0))
+        return f"; processes behind the others: {lagging or 'none'} (last steps: {steps})"
 
     def close(self) -> None:
         self._stop.set()

@@ -114,3 +114,41 @@ def link_for(gpu: Gpu, n: int, interconnect: str | None = None, bandwidth_gbs: f
         return gpu.intra, intra.busbw_gbs * 1e9, intra.latency_us * 1e-6
     inter = INTERCONNECTS[gpu.inter]  # the ring's bandwidth is its slowest link
     return gpu.inter, min(intra.busbw_gbs, inter.busbw_gbs) * 1e9, max(intra.latency_us, inter.latency_us) * 1e-6
+
+
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16", "asimd", "sve")  # what XLA:CPU uses
+
+
+def host_description() -> dict:
+    """This machine as a benchmark or a speed note should name it: CPU model and vector ISA, cores, and the
+    Python and JAX versions (read from package metadata: no JAX import)."""
+    import os
+    import platform
+    from importlib import metadata
+
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+
+    def version(package: str) -> str | None:
+        try:
+            return metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return None
+
+    flags = set(fields.get("flags", fields.get("Features", "")).split())
+    return {
+        "cpu": fields.get("model name") or platform.processor() or platform.machine(),
+        "cpu_family_model": f"{fields.get('vendor_id', '?')} family {fields.get('cpu family', '?')} model "
+        f"{fields.get('model', '?')}",
+        "isa": [f for f in ISA_FLAGS if f in flags],
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "python": platform.python_version(),
+        "jax": version("jax"),
+        "jaxlib": version("jaxlib"),
+    }

@@ -13,13 +13,14 @@ from jdp import parallel
 from jdp.build import build
 from jdp.checkpoint import Checkpoints, check_resumable
 from jdp.config import Config, ConfigError, save_config, validate
+from jdp.corpus import cache_root
 from jdp.data import load_data
 from jdp.faults import Faults
 from jdp.loop import Loop, Phases, Result, Setup
 from jdp.metrics import MetricsLog, fingerprint, flops_per_token, lost_steps, params_sha256, peak_flops, supersede
 from jdp.model import lm_loss
 from jdp.rundir import RunDir
-from jdp.world import World, WorldError, initialize, resolve_world
+from jdp.world import World, WorldError, initialize, resolve_world, use_compilation_cache
 
 
 class RunError(RuntimeError):
@@ -55,6 +56,7 @@ def setup(cfg: Config, world: World, phases: Phases) -> Setup:
     derived = validate(cfg, mesh.devices.size, jax.process_count())
     is_main = jax.process_index() == 0
     run_dir = RunDir(t.run_dir)
+    cache = use_compilation_cache(cache_root(cfg.data) / "xla") if t.compile_cache else None
     with phases("loading data"):
         rows = parallel.process_rows(t.batch_size, mesh)
         data = load_data(
@@ -82,7 +84,7 @@ def setup(cfg: Config, world: World, phases: Phases) -> Setup:
             )
     peak, peak_source = peak_flops(cfg.model.dtype, derived.n_devices)
     if is_main:
-        print(banner(cfg, world, derived, data, n_params, peak, peak_source, run_dir, resumed_from))
+        print(banner(cfg, world, derived, data, n_params, peak, peak_source, run_dir, resumed_from, cache))
         save_config(cfg, run_dir.path)
     log = MetricsLog(
         run_dir.metrics,
@@ -98,7 +100,7 @@ def setup(cfg: Config, world: World, phases: Phases) -> Setup:
     )  # fmt: skip
 
 
-def banner(cfg: Config, world: World, derived, data, n_params, peak, peak_source, run_dir, resumed_from) -> str:
+def banner(cfg: Config, world: World, derived, data, n_params, peak, peak_source, run_dir, resumed_from, cache) -> str:
     """The derived numbers, printed once at start."""
     par, t = cfg.parallel, cfg.train
     epochs = "" if cfg.data.streaming else f" | {t.steps} steps = {data.train.epoch(t.steps):.3f} epochs"
@@ -106,14 +108,14 @@ def banner(cfg: Config, world: World, derived, data, n_params, peak, peak_source
     return "\n".join(
         [
             f"jdp | {world.describe()} | {jax.devices()[0].device_kind} x {derived.n_devices}, "
-            f"{jax.local_device_count()} local",
+            f"{jax.local_device_count()} local | jax {jax.__version__}",
             f"jdp | model {n_params:,} parameters | {flops_per_token(cfg) / 1e6:.1f} MFLOPs/token | MFU peak: "
             f"{peak / 1e12:.3g} TFLOP/s, {peak_source}",
             f"jdp | {derived.describe()}",
             f"jdp | parallel.strategy={par.strategy} bucket_mb={par.bucket_mb:g} reduce_dtype={par.reduce_dtype} | "
             f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
             f"jdp | data {data.describe()}{epochs}",
-            f"jdp | run dir {run_dir.path} | {where}",
+            f"jdp | run dir {run_dir.path} | {where} | compile cache {cache or 'off (train.compile_cache=false)'}",
         ]
     )
 

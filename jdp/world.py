@@ -14,6 +14,7 @@ import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -197,34 +198,38 @@ def collective_flags(bucket_mb: float) -> dict[str, str]:
     }
 
 
-def cpu_speed_flags() -> dict[str, str]:
-    """XLA:CPU options measured faster for jdp's steps (README, Performance); only for the versions measured.
-
-    An XLA_FLAGS entry this XLA does not know aborts the process, so experimental flags are version-gated.
-    """
-    import jaxlib
-
-    if not jaxlib.__version__.startswith("0.10."):
-        return {}
-    # jaxlib 0.10 hands matrix multiplies to YNNPACK, which ran jdp's tiny step slower than XLA's own Eigen
-    # dots on the CPU it was measured on (README, Performance): keep XLA's.
-    return {"xla_cpu_experimental_ynn_fusion_type": ""}
-
-
 def set_xla_flags(bucket_mb: float = 25.0, environ: dict | None = None) -> list[str]:
-    """Add jdp's collective (and CPU speed) options to XLA_FLAGS where the user has not set them; returns the ones added.
+    """Add jdp's collective options to XLA_FLAGS where the user has not set them; returns the ones added.
 
     XLA reads XLA_FLAGS once, when JAX first touches a device: call this before that (`jdp train` does).
-    A flag already in XLA_FLAGS is left exactly as the user set it.
+    A flag already in XLA_FLAGS is left exactly as the user set it. No XLA:CPU speed option is added: none
+    measured faster on every kind of CPU this project runs on (README, Performance), so XLA's defaults stand.
     """
     environ = os.environ if environ is None else environ
     current = environ.get("XLA_FLAGS", "")
     present = set(re.findall(r"--([\w]+)", current))
-    wanted = {**collective_flags(bucket_mb), **cpu_speed_flags()}
+    wanted = collective_flags(bucket_mb)
     added = [f"--{k}={v}" for k, v in wanted.items() if k not in present]
     if added:
         environ["XLA_FLAGS"] = " ".join([current, *added]).strip()
     return added
+
+
+def use_compilation_cache(directory: str | Path) -> str:
+    """Keep compiled programs in JAX's persistent cache at `directory`, unless JAX_COMPILATION_CACHE_DIR (or
+    jax.config) already names one: a restart, a resume or a second run of the same config then loads its
+    step instead of compiling it. Call before the first compilation. Returns the directory in use."""
+    import jax
+
+    if jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    if jax.config.jax_compilation_cache_max_size < 0:
+        # Bounded; and with a bound JAX takes a file lock around every read and write, so the processes of a
+        # job (or two jobs) sharing the directory never read a half-written entry.
+        jax.config.update("jax_compilation_cache_max_size", 8 * 2**30)
+    return str(directory)
 
 
 _GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")

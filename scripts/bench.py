@@ -1,6 +1,6 @@
 """jdp's speed, measured side by side in one run and reported as ratios (README, Performance).
 
-    python scripts/bench.py --out DIR [--config tiny] [--processes 2] [--rounds 3]
+    python scripts/bench.py --out DIR [--config tiny] [--processes 2] [--rounds 5]
 
 Writes DIR/bench.json and prints a table. Every ratio compares two things timed in the same run,
 alternating in rounds, so the machine's background load hits both sides alike:
@@ -57,7 +57,7 @@ def _setup(config: str, overrides: list[str]):
 
     cfg = load_config(config, ["train.run_dir=/dev/null", "train.progress=false", *overrides])
     jobs.set_xla_flags(cfg.parallel.bucket_mb)  # as `jdp train` does, before jax touches a device
-    jobs.keep_scratch_memory()
+    os.environ["JDP_BENCH_KEPT_SCRATCH"] = str(jobs.keep_scratch_memory())
     return cfg
 
 
@@ -123,8 +123,10 @@ def measure_single(config: str, overrides: list[str], rounds: int, steps: int) -
             bare[0], bare[1], loss = bare_step(bare[0], bare[1], fixed)
         jax.block_until_ready(loss)
 
-    jdp_steps(2)  # compile and warm up both
+    jdp_steps(2)  # compile both, then one untimed round each: the first timed rounds were the noisiest
     bare_steps(2)
+    jdp_steps(steps)
+    bare_steps(steps)
     jdp_t, bare_t = [], []
     for _ in range(rounds):
         start = time.perf_counter()
@@ -154,6 +156,7 @@ def measure_single(config: str, overrides: list[str], rounds: int, steps: int) -
         "peak_flops": peak,
         "peak_source": source,
         "device": jax.devices()[0].device_kind,
+        "keep_scratch_memory": os.environ["JDP_BENCH_KEPT_SCRATCH"] == "True",
         "rounds": {"jdp_step_s": jdp_t, "bare_step_s": bare_t},
     }
 
@@ -235,7 +238,7 @@ def main() -> int:
     ap.add_argument("--out", help="directory for bench.json")
     ap.add_argument("--config", default="tiny")
     ap.add_argument("--processes", type=int, default=0, help="processes for jdp vs torch (default: 2 on CPU)")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating timing rounds per comparison")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating timing rounds per comparison")
     ap.add_argument("--steps", type=int, default=5, help="steps per timing round")
     ap.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8], help="device counts for ddp_vs_dp")
     ap.add_argument("--skip-torch", action="store_true", help="no PyTorch comparison (torch not installed)")
@@ -253,6 +256,8 @@ def main() -> int:
     gpu = _has_gpu()
     started = time.time()
     results: dict = {"config": a.config, "overrides": a.overrides, "platform": "gpu" if gpu else "cpu"}
+    results["host"] = host(a.config, a.overrides)
+    print(f"[bench] {describe_host(results['host'])}", flush=True)
 
     print(f"[bench] jdp vs bare JAX, loader, MFU: 1 device, {a.rounds} rounds of {a.steps} steps", flush=True)
     single = child(
@@ -261,6 +266,7 @@ def main() -> int:
         ["--config", a.config, "--rounds", str(a.rounds), "--steps", str(a.steps), *a.overrides],
     )
     results.update({k: single[k] for k in ("jdp_vs_bare", "loader_vs_step", "mfu")})
+    results["host"]["keep_scratch_memory"] = single["keep_scratch_memory"]
     results["single_device"] = single
 
     ddp_dp = {}
@@ -292,6 +298,24 @@ def main() -> int:
     return 0
 
 
+def host(config: str, overrides: list[str]) -> dict:
+    """The machine and the options every measurement runs with: CPU model and ISA, versions, XLA_FLAGS."""
+    from jdp import world
+    from jdp.config import load_config
+    from jdp.hardware import host_description
+
+    env = dict(os.environ)
+    world.set_xla_flags(load_config(config, overrides).parallel.bucket_mb, env)  # what _setup adds in each child
+    return {**host_description(), "xla_flags": env.get("XLA_FLAGS", "")}
+
+
+def describe_host(h: dict) -> str:
+    return (
+        f"{h['cpu']} ({h['cpu_family_model']}; {', '.join(h['isa']) or 'no AVX2'}), {h['cores']} cores | "
+        f"python {h['python']}, jax {h['jax']}, jaxlib {h['jaxlib']} | XLA_FLAGS={h['xla_flags']!r}"
+    )
+
+
 def table(r: dict) -> str:
     s = r["single_device"]
     rows = [
@@ -319,7 +343,8 @@ def table(r: dict) -> str:
             )
         )
     width = max(len(k) for k, _, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v:>9}  {note}" for k, v, note in rows)
+    lines = [f"{k:<{width}}  {v:>9}  {note}" for k, v, note in rows]
+    return "\n".join([f"host: {describe_host(r['host'])}", *lines])
 
 
 def _has_gpu() -> bool:

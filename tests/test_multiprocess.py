@@ -57,3 +57,53 @@ def test_two_processes_assemble_the_single_process_global_batches(tmp_path, spaw
         union += outs[0]["local"][step] + outs[1]["local"][step]
     # 12 steps x 8 = 96 windows = 2 whole epochs of 37 and part of a third: each epoch exactly once.
     assert sorted(union[:37]) == sorted(union[37:74]) == list(range(37))
+
+
+KV_WORKER = textwrap.dedent(
+    """
+    import json, sys
+    import jax
+    from jax.experimental import multihost_utils
+    from jdp.coordination import StopAgreement, Watchdog, key_value_store
+    from jdp.world import initialize, resolve_world
+
+    initialize(resolve_world())
+    kv = key_value_store()
+    me = jax.process_index()
+    kv.set(f"test/{me}", f"value {me}")
+    if me == 1:  # what a stranger who reached the coordinator could write
+        kv.set(StopAgreement.KEY, "../../etc")
+        kv.set(Watchdog.PREFIX + "7", "-3")
+        kv.set(Watchdog.PREFIX + "x", "1")
+    multihost_utils.sync_global_devices("written")
+    stop = StopAgreement()
+    watchdog = Watchdog(3600)
+    watchdog.progress(5 + me)
+    multihost_utils.sync_global_devices("progress")
+    out = {
+        "values": kv.dir_get("test/"),
+        "missing": kv.try_get("test/none"),
+        "stops": [stop.should_stop(done) for done in (0, 10**6)],
+        "behind": watchdog._behind(),
+    }
+    stop.close()
+    watchdog.close()
+    multihost_utils.sync_global_devices("done")
+    with open(sys.argv[1] + f".{me}", "w") as f:
+        json.dump(out, f)
+    """
+)
+
+
+def test_key_value_store_round_trips_and_ignores_values_jdp_did_not_write(tmp_path, spawn):
+    script = tmp_path / "worker.py"
+    script.write_text(KV_WORKER)
+    results = spawn([str(script), str(tmp_path / "out")], n_processes=2, devices_each=1, timeout=240)
+    assert all(code == 0 for code, _, _ in results), [err[-2000:] for _, _, err in results]
+    for pid in range(2):
+        out = json.loads((tmp_path / f"out.{pid}").read_text())
+        assert out["values"] == {"test/0": "value 0", "test/1": "value 1"}
+        assert out["missing"] is None
+        assert out["stops"] == [False, False]  # a malformed stop step is no stop step
+        assert out["behind"] == "; processes behind the others: [0] (last steps: {0: 5, 1: 6})"
+        assert "ignoring jdp/stop_after_step='../../etc'" in results[pid][2]

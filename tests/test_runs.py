@@ -119,3 +119,30 @@ def test_wandb_offline_run_gets_every_record_and_keeps_its_id_across_restarts(tm
     data = files[-1].read_bytes()
     assert all(tag in data for tag in (b"train/loss", b"eval/loss", b"goodput/goodput"))
     assert b"train/tokens_per_sec" not in data  # None is not a number to chart
+
+
+@pytest.mark.slow
+def test_a_second_run_of_the_same_config_loads_its_programs_from_the_compilation_cache(tmp_path):
+    """jdp's own default cache (CACHE/xla, not the suite's JAX_COMPILATION_CACHE_DIR): the first run writes the
+    compiled steps, an identical second run finds every one of them there (and writes nothing new)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env |= {"JDP_CACHE": str(tmp_path / "cache"), "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+
+    def run(name, *extra):
+        args = ["train", "tiny", *SMALL, "train.steps=3", f"train.run_dir={tmp_path / name}", *extra]
+        out = subprocess.run([sys.executable, "-m", "jdp.cli", *args], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout
+
+    xla = tmp_path / "cache" / "xla"
+    assert f"compile cache {xla}" in run("first")
+    entries = sorted(p.name for p in xla.iterdir())
+    assert any(name.startswith("jit_step") for name in entries), entries  # the train step, at least
+    run("second")
+    assert sorted(p.name for p in xla.iterdir() if not p.name.endswith("-atime")) == [
+        e for e in entries if not e.endswith("-atime")
+    ]
+    shutil.rmtree(xla)
+    assert "compile cache off" in run("third", "train.compile_cache=false") and not xla.exists()

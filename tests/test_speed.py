@@ -148,18 +148,22 @@ def test_allreduce_command_reports_buckets_summing_to_parameter_bytes(tmp_path):
 
 
 SCRATCH_PROGRAM = """
-import resource, sys
+import resource, statistics, sys
 from jdp import world
 if sys.argv[1] == "keep":
     assert world.keep_scratch_memory()
 import jax, jax.numpy as jnp
-f = jax.jit(lambda x, w: jnp.sum(jnp.tanh(x @ w) @ w.T))  # two 16384 x 1024 float32 temporaries: 128 MB
+f = jax.jit(lambda x, w: jnp.sum(jnp.tanh(x @ w) @ w.T))  # a 16384 x 1024 float32 temporary: 64 MB
 x, w = jnp.ones((16384, 64), jnp.float32), jnp.ones((64, 1024), jnp.float32) * 1e-3
 f(x, w).block_until_ready()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(5):
+faults = []
+for _ in range(12):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     f(x, w).block_until_ready()
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 5)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+# The median call: jaxlib >= 0.11 allocates the temporaries as several blocks, and the heap takes a few calls
+# to settle (each of those faults a block in once); from then on no call faults.
+print(int(statistics.median(faults)))
 """
 
 
@@ -174,5 +178,5 @@ def test_scratch_memory_is_not_faulted_in_again_every_step():
         out = subprocess.run([sys.executable, "-c", SCRATCH_PROGRAM, mode], env=env, capture_output=True, text=True)
         assert out.returncode == 0, out.stderr[-2000:]
         faults[mode] = int(out.stdout)
-    # Measured: about 18,000 page faults (70 MB) per call without, none with.
+    # Measured: about 16,500 page faults (64 MB) per call without, none with (the median call), jax 0.10 to 0.12.
     assert faults["default"] >= 4096 and faults["keep"] <= faults["default"] / 10, faults
