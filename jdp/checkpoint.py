@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
@@ -43,6 +44,48 @@ def config_differences(saved: dict, current: dict) -> list[str]:
 def abstract(tree):
     """Shapes, dtypes and shardings of a pytree of arrays: what orbax restores into (on today's mesh)."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+@jax.jit
+def _leaf_checksums(tree) -> list[jax.Array]:
+    def checksum(x):
+        if x.dtype.itemsize >= 4:
+            words = jax.lax.bitcast_convert_type(x, jnp.uint32)  # a 64-bit value becomes two words
+        elif x.dtype.itemsize == 2:
+            words = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+        else:
+            words = x.astype(jnp.uint32)
+        words = words.ravel()
+        # Each word times an odd weight of its position, modulo 2^32: odd weights are invertible, so changing
+        # any one word always changes the sum, and moving a word changes it too.
+        weights = jnp.arange(words.size, dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
+        return jnp.sum(words * weights, dtype=jnp.uint32)
+
+    return [checksum(x) for x in jax.tree.leaves(tree)]
+
+
+def checksums(tree) -> dict[str, int]:
+    """Per leaf, a 32-bit checksum of its exact bytes, computed where the arrays live (only the sums are fetched)."""
+    sums = jax.device_get(_leaf_checksums(tree))
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+    return {path: int(s) for path, s in zip(paths, sums, strict=True)}
+
+
+class ChecksumMismatch(ValueError):
+    """A checkpoint whose arrays are not the ones saved with its record: changed after it was written."""
+
+
+def verify(state, record: dict) -> None:
+    """Raise ChecksumMismatch unless `state` has the checksums saved in `record` (older records have none)."""
+    if "checksums" not in record:
+        return
+    found = checksums(state)
+    differ = [path for path, value in record["checksums"].items() if found.get(path) != value]
+    if differ or found.keys() != record["checksums"].keys():
+        raise ChecksumMismatch(
+            f"its arrays changed after it was written: {len(differ)} of {len(found)} leaves differ from the "
+            f"checksums saved with it ({', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''})"
+        )
 
 
 class Checkpoints:
@@ -80,6 +123,8 @@ class Checkpoints:
         return sorted(self.manager.all_steps())
 
     def save(self, step: int, state, record: dict) -> None:
+        """Start writing `state` and `record` (which gains the state's checksums) as checkpoint `step`."""
+        record = {**record, "checksums": checksums(state)}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record))
         self.manager.save(step, args=args, force=True)
 
@@ -108,7 +153,8 @@ class Checkpoints:
             )
             try:
                 restored = self.manager.restore(step, args=args)
-            except Exception as e:  # a truncated or corrupt checkpoint: report it and try the one before
+                verify(restored["state"], record)
+            except Exception as e:  # a truncated, corrupt or altered checkpoint: report it and try the one before
                 self._damaged(step, e)
                 damaged.append(step)
                 continue

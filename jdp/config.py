@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ class DataConfig:
     num_proc: int = 0  # tokenization worker processes; 0 picks from the CPU count
     streaming: bool = False  # read an IterableDataset: each process its own shards, packed on the fly
     prefetch: int = 2  # batches prepared ahead on a background thread; 0 prepares them in the loop
+    encoding_errors: str = "strict"  # text/json/csv files not valid UTF-8: strict (an error), replace or ignore
 
 
 @dataclass(frozen=True)
@@ -182,7 +184,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     values: dict[str, dict[str, Any]] = {s: {} for s in _SECTION_TYPES}
     if path is not None:
         path = resolve_config_path(str(path))
-        raw = yaml.safe_load(path.read_text()) or {}
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from e
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping of sections (model, data, optim, train, parallel)")
         for section, entries in raw.items():
@@ -228,63 +233,68 @@ class Derived:
         )
 
 
+_POSITIVE = (lambda v: v > 0, "positive")
+_NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
+_FRACTION = (lambda v: 0 <= v < 1, "in [0, 1)")
+# Every number's range, checked at validation (every float must also be finite: NaN or Inf never passes).
+RANGES = {
+    **dict.fromkeys(
+        ["model.vocab_size", "model.max_seq_len", "model.d_model", "model.n_layers", "model.n_heads",
+         "model.mlp_ratio", "data.seq_len", "train.steps", "train.batch_size", "train.grad_accum", "train.log_every",
+         "train.ckpt_keep", "train.step_timeout_s", "parallel.init_timeout_s", "parallel.heartbeat_timeout_s",
+         "optim.lr", "optim.eps"],
+        _POSITIVE,
+    ),
+    **dict.fromkeys(
+        ["data.val_tokens", "data.prefetch", "data.num_proc", "train.eval_every", "train.ckpt_every",
+         "train.max_bad_steps", "train.check_replicas_every", "optim.warmup_steps", "optim.weight_decay",
+         "optim.grad_clip", "parallel.bucket_mb"],
+        _NON_NEGATIVE,
+    ),
+    **dict.fromkeys(["optim.b1", "optim.b2", "optim.momentum"], _FRACTION),
+    "optim.min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+}  # fmt: skip
+CHOICES = {
+    "model.dtype": DTYPES,
+    "model.param_dtype": DTYPES,
+    "model.attention": ("auto", "einsum", "xla", "cudnn"),
+    "data.encoding_errors": ("strict", "replace", "ignore"),
+    "optim.name": ("adamw", "sgd"),
+    "parallel.strategy": ("ddp", "dp"),
+    "parallel.reduce_dtype": ("float32", "bfloat16"),
+}
+
+
+def _value_problems(cfg: Config) -> list[str]:
+    """Numbers outside their range (or not finite) and names outside their choices."""
+    problems = []
+    for section, cls in _SECTION_TYPES.items():
+        for f in dataclasses.fields(cls):
+            name, v = f"{section}.{f.name}", getattr(getattr(cfg, section), f.name)
+            if f.type == "float" and not math.isfinite(v):
+                problems.append(f"{name}={v} must be a finite number")
+            elif name in RANGES and not RANGES[name][0](v):
+                problems.append(f"{name}={v} must be {RANGES[name][1]}")
+            elif name in CHOICES and v not in CHOICES[name]:
+                problems.append(f"{name}={v!r} must be one of {', '.join(CHOICES[name])}")
+    return problems
+
+
 def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Derived:
     """Everything about the config alone that can be wrong, checked before data or compilation."""
-    m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
-    problems = []
-    for name, v in [
-        ("model.vocab_size", m.vocab_size),
-        ("model.max_seq_len", m.max_seq_len),
-        ("model.d_model", m.d_model),
-        ("model.n_layers", m.n_layers),
-        ("model.n_heads", m.n_heads),
-        ("model.mlp_ratio", m.mlp_ratio),
-        ("data.seq_len", d.seq_len),
-        ("train.steps", t.steps),
-        ("train.batch_size", t.batch_size),
-        ("train.grad_accum", t.grad_accum),
-        ("train.log_every", t.log_every),
-        ("train.ckpt_keep", t.ckpt_keep),
-        ("train.step_timeout_s", t.step_timeout_s),
-    ]:
-        if v <= 0:
-            problems.append(f"{name}={v} must be positive")
+    m, d, t, par = cfg.model, cfg.data, cfg.train, cfg.parallel
+    problems = _value_problems(cfg)
     if m.d_model % max(m.n_heads, 1):
         problems.append(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
-    for name, v in [("model.dtype", m.dtype), ("model.param_dtype", m.param_dtype)]:
-        if v not in DTYPES:
-            problems.append(f"{name}={v!r} must be one of {', '.join(DTYPES)}")
-    if m.attention not in ("auto", "einsum", "xla", "cudnn"):
-        problems.append(f"model.attention={m.attention!r} must be auto, einsum, xla or cudnn")
     if d.seq_len > m.max_seq_len:
         problems.append(
             f"data.seq_len={d.seq_len} is longer than the model supports (model.max_seq_len={m.max_seq_len}); "
             f"lower data.seq_len or raise model.max_seq_len"
         )
-    par = cfg.parallel
-    if par.init_timeout_s <= 0 or par.heartbeat_timeout_s <= 0:
-        problems.append("parallel.init_timeout_s and parallel.heartbeat_timeout_s must be positive")
-    if par.strategy not in ("ddp", "dp"):
-        problems.append(f"parallel.strategy={par.strategy!r} must be ddp or dp")
-    elif par.strategy == "dp" and n_processes > 1:
+    if par.strategy == "dp" and n_processes > 1:
         problems.append(
             f"parallel.strategy=dp is PyTorch DataParallel's single-process master pattern and cannot span "
             f"{n_processes} processes; use parallel.strategy=ddp"
-        )
-    if not par.bucket_mb >= 0:
-        problems.append(f"parallel.bucket_mb={par.bucket_mb} must be >= 0 (0 puts every gradient in one bucket)")
-    if par.reduce_dtype not in ("float32", "bfloat16"):
-        problems.append(f"parallel.reduce_dtype={par.reduce_dtype!r} must be float32 or bfloat16")
-    if min(d.val_tokens, t.eval_every, d.prefetch, t.ckpt_every, t.max_bad_steps, t.check_replicas_every) < 0:
-        problems.append(
-            "data.val_tokens, data.prefetch, train.eval_every, train.ckpt_every, train.max_bad_steps and "
-            "train.check_replicas_every must be >= 0"
-        )
-    if o.name not in ("adamw", "sgd"):
-        problems.append(f"optim.name={o.name!r} must be adamw or sgd")
-    if o.lr <= 0 or o.warmup_steps < 0 or not 0 <= o.min_lr_ratio <= 1 or o.grad_clip < 0:
-        problems.append(
-            "optim.lr must be > 0, optim.warmup_steps >= 0, optim.min_lr_ratio in [0, 1], optim.grad_clip >= 0"
         )
     per_step = n_devices * max(t.grad_accum, 1)
     if t.batch_size > 0 and t.batch_size % per_step:

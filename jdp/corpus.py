@@ -55,12 +55,28 @@ def is_saved_dataset(path: Path) -> bool:
     return path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists())
 
 
+def looks_local(source: str) -> bool:
+    """Whether `source` names local files rather than a hub dataset (`name` or `owner/name`): it exists, has a
+    data file's suffix, starts like a path, has more than one `/`, or lives in a local directory that exists."""
+    path = Path(source).expanduser()
+    if path.exists() or path.suffix.lower() in BUILDERS or source.startswith((".", "/", "~")) or source.count("/") > 1:
+        return True
+    return "/" in source and path.parent.is_dir()
+
+
 def data_files(cfg: DataConfig, source: str) -> list[str] | None:
     """The local data files `source` names (a file, a glob or a directory); None for a hub dataset name."""
     path = Path(source).expanduser()
-    looks_local = path.exists() or Path(source).suffix.lower() in BUILDERS or source.startswith((".", "/", "~"))
-    if not (glob.has_magic(source) or looks_local):
+    if not (glob.has_magic(source) or looks_local(source)):
         return None
+    if not glob.has_magic(source) and not path.exists():
+        parent = next((p for p in path.parents if p.is_dir()), Path("."))
+        raise ConfigError(
+            f"data.source={cfg.source}: no data files found: no such file or directory ({path.absolute()}; the "
+            f"nearest directory that "
+            f"exists is {parent.absolute()}). Fix the path; a Hugging Face hub dataset is named `name` or "
+            f"`owner/name`"
+        )
     if glob.has_magic(source):
         files = sorted(glob.glob(str(path)))
     elif path.is_dir():
@@ -115,8 +131,10 @@ def load_documents(cfg: DataConfig):
     elif (files := data_files(cfg, source)) is not None:
         builder = BUILDERS[Path(files[0]).suffix.lower()]
         try:
-            ds = datasets.load_dataset(builder, data_files=files, split="train")
+            ds = datasets.load_dataset(builder, data_files=files, split="train", **_decoding(cfg, builder))
         except Exception as e:  # datasets fails on empty files with StopIteration, ValueError, ...
+            if undecodable := decoding_error(cfg, files, e):
+                raise undecodable from e
             raise ConfigError(
                 f"data.source={cfg.source}: could not read {len(files)} {builder} file(s): "
                 f"{type(e).__name__}: {e or 'no data'} (is it empty or malformed?)"
@@ -146,9 +164,8 @@ def open_stream(cfg: DataConfig):
         ds = load_saved(cfg, path)
         ds = ds.to_iterable_dataset(num_shards=max(1, min(len(ds), 64)))
     elif (files := data_files(cfg, source)) is not None:
-        ds = datasets.load_dataset(
-            BUILDERS[Path(files[0]).suffix.lower()], data_files=files, split="train", streaming=True
-        )
+        builder = BUILDERS[Path(files[0]).suffix.lower()]
+        ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **_decoding(cfg, builder))
     else:
         ds = datasets.load_dataset(source, cfg.name or None, split=cfg.split, streaming=True)
     if ds.column_names is not None and cfg.text_column not in ds.column_names:
@@ -157,3 +174,47 @@ def open_stream(cfg: DataConfig):
             f"(set data.text_column)"
         )
     return ds
+
+
+def _decoding(cfg: DataConfig, builder: str) -> dict:
+    """How datasets' text, json and csv builders decode files (parquet stores its own encoding)."""
+    return {} if builder == "parquet" else {"encoding": "utf-8", "encoding_errors": cfg.encoding_errors}
+
+
+def decoding_error(cfg: DataConfig, files: list[str] | None, error: BaseException) -> ConfigError | None:
+    """A clear error for a file that is not valid UTF-8, naming the file, the offset and the byte, when `error`
+    (or what caused it) is a decoding error; None for any other error."""
+    cause = error
+    while cause is not None and not isinstance(cause, UnicodeDecodeError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return None
+    where = next((found for f in files or [] if (found := first_undecodable(f)) is not None), None)
+    at = (
+        f"{where[0]} is not valid UTF-8: byte 0x{where[1]:02x} at offset {where[2]:,} (line {where[3]:,})"
+        if where
+        else f"a file is not valid UTF-8 ({cause})"
+    )
+    return ConfigError(
+        f"data.source={cfg.source}: {at}. Convert it to UTF-8 (e.g. `iconv -f latin1 -t utf-8`), or read the "
+        f"files leniently with data.encoding_errors=replace (each undecodable byte becomes U+FFFD) or "
+        f"data.encoding_errors=ignore (dropped)"
+    )
+
+
+def first_undecodable(path: str) -> tuple[str, int, int, int] | None:
+    """(path, byte, offset, line) of the first byte of `path` that is not valid UTF-8, or None."""
+    import codecs
+
+    decoder, offset, lines = codecs.getincrementaldecoder("utf-8")(), 0, 1
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            pending = decoder.getstate()[0]
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as e:
+                data = pending + chunk
+                return path, data[e.start], offset - len(pending) + e.start, lines + data[: e.start].count(b"\n")
+            offset += len(chunk)
+            lines += chunk.count(b"\n")
+    return None

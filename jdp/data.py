@@ -180,6 +180,8 @@ class Prefetcher:
                 raise StopIteration
             step, item = self._queue.get()
             if step is None:
+                if isinstance(item, ConfigError):  # bad input found while reading (a streamed file, say)
+                    raise item
                 raise RuntimeError("the data loader thread failed") from item
             self._next = step + 1
         self.wait_s += time.perf_counter() - start

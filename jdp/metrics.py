@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -144,23 +145,58 @@ def _tags(record: dict, prefix: str = ""):
             yield f"train/{key}", value
 
 
+def _parse(line: str) -> dict | None:
+    """One metrics.jsonl record, or None for a line that is cut off or damaged."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
+
+
 def read_metrics(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The records of a metrics log; lines that do not parse (what a crash or a full disk leaves) are skipped
+    with a warning naming the file and the lines."""
+    path, records, damaged = Path(path), [], []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if line.strip():
+            if (record := _parse(line)) is None:
+                damaged.append(number)
+            else:
+                records.append(record)
+    if damaged:
+        print(f"jdp: warning: {path}: line(s) {damaged} are cut off or damaged; skipped", file=sys.stderr, flush=True)
+    return records
 
 
 def supersede(path: str | Path, after_step: int) -> int:
     """Move records of steps after `after_step` (work lost since the checkpoint a run resumes from) from
-    metrics.jsonl to metrics.superseded.jsonl, so the log never holds a step twice and nothing is deleted."""
+    metrics.jsonl to metrics.superseded.jsonl, so the log never holds a step twice and nothing is deleted.
+    Lines that do not parse (a record cut off by a crash or a full disk) move to metrics.damaged.jsonl, with a
+    warning, so the log the run appends to is whole again."""
     path = Path(path)
     if not path.exists():
         return 0
-    keep, moved = [], []
-    for line in path.read_text().splitlines():
+    run = RunDir(path.parent)
+    text = path.read_text(errors="replace")
+    keep, moved, damaged = [], [], []
+    for line in text.splitlines():
         if line.strip():
-            (moved if json.loads(line)["step"] > after_step else keep).append(line)
-    if moved:
-        with RunDir(path.parent).superseded_metrics.open("a") as f:
-            f.write("\n".join(moved) + "\n")
+            if (record := _parse(line)) is None:
+                damaged.append(line)
+            else:
+                (moved if record["step"] > after_step else keep).append(line)
+    for lines, where in ((moved, run.superseded_metrics), (damaged, run.damaged_metrics)):
+        if lines:
+            with where.open("a") as f:
+                f.write("\n".join(lines) + "\n")
+    if damaged:
+        print(
+            f"jdp: warning: {path}: {len(damaged)} cut-off or damaged line(s) moved to {run.damaged_metrics}",
+            file=sys.stderr,
+            flush=True,
+        )
+    if moved or damaged or (text and not text.endswith("\n")):
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(line + "\n" for line in keep))
         tmp.replace(path)

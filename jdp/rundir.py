@@ -1,9 +1,15 @@
-"""The run directory: every path under RUN_DIR, in one place."""
+"""The run directory: every path under RUN_DIR, in one place, and the lock that keeps it to one job."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import json
+import os
 import shutil
+import socket
+import threading
+import time
 from pathlib import Path
 
 
@@ -38,6 +44,10 @@ class RunDir:
         return self.path / "metrics.superseded.jsonl"  # records of work lost since the checkpoint resumed from
 
     @property
+    def damaged_metrics(self) -> Path:
+        return self.path / "metrics.damaged.jsonl"  # lines of metrics.jsonl that did not parse, set aside
+
+    @property
     def summary(self) -> Path:
         return self.path / "summary.json"
 
@@ -63,6 +73,7 @@ class RunDir:
             self.checkpoints,
             self.metrics,
             self.superseded_metrics,
+            self.damaged_metrics,
             self.summary,
             self.path / "data_state",
             self.tensorboard,
@@ -77,3 +88,116 @@ class RunDir:
         for p in old:
             shutil.move(str(p), str(dest / p.name))
         return dest
+
+
+class RunDirInUse(RuntimeError):
+    """Another live job holds the run directory."""
+
+
+class RunLock:
+    """One job per run directory. The job's process 0 creates RUN_DIR/.jdp-lock (host, pid, process start time,
+    job start) atomically and rewrites its `beat` time every BEAT_S seconds while it runs.
+
+    A lock is live when its process still runs (same host: the pid exists with the same start time, so a
+    reused pid does not count) or, seen from another host (shared storage), when its beat is younger than
+    STALE_S. A dead job's lock is moved aside atomically (of two jobs taking it over, one wins) and taken over.
+    """
+
+    NAME = ".jdp-lock"
+    BEAT_S = 10.0
+    STALE_S = 60.0  # hosts' clocks must agree to well within this for the cross-host check
+
+    def __init__(self, run_dir: RunDir):
+        self.path = run_dir.path / self.NAME
+        self.mine: dict | None = None
+        self._stop = threading.Event()
+
+    def acquire(self) -> dict | None:
+        """Hold the lock; returns the dead job's lock it took over (None if there was none). Raises RunDirInUse."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _process_start(os.getpid())}
+        me |= {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "beat": time.time()}
+        taken_over = None
+        for _ in range(10):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                other = _read(self.path)
+                if other is None or _alive(other):
+                    if other is None:  # being written right now
+                        time.sleep(0.2)
+                        continue
+                    raise RunDirInUse(
+                        f"{self.path.parent} is in use by another job: process {other['pid']} on {other['host']}, "
+                        f"started {other['started']}. Stop it first, or give this run another train.run_dir"
+                    ) from None
+                aside = self.path.with_name(f"{self.NAME}.dead-{os.getpid()}")
+                try:
+                    os.rename(self.path, aside)  # of two jobs taking over, one rename wins
+                except FileNotFoundError:
+                    continue
+                if _read(aside) != other:  # a fresh lock appeared in between: put it back, it is live
+                    with contextlib.suppress(OSError):
+                        os.link(aside, self.path)
+                    os.unlink(aside)
+                    continue
+                os.unlink(aside)
+                taken_over = other
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.mine = me
+            threading.Thread(target=self._beat, daemon=True, name="jdp-run-lock").start()
+            return taken_over
+        raise RunDirInUse(f"could not take {self.path}: other jobs keep changing it")
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.BEAT_S):
+            current = _read(self.path)
+            if current is None or current["pid"] != self.mine["pid"] or current["host"] != self.mine["host"]:
+                return  # not ours any more (taken over while this job stalled): leave it to its new owner
+            self.mine["beat"] = time.time()
+            tmp = self.path.with_name(f"{self.NAME}.tmp-{os.getpid()}")
+            tmp.write_text(json.dumps(self.mine))
+            os.replace(tmp, self.path)
+
+    def release(self) -> None:
+        self._stop.set()
+        if self.mine is not None and (current := _read(self.path)) and current["pid"] == self.mine["pid"]:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+        self.mine = None
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    fields = {"host": str, "pid": int, "started": str, "beat": (int, float)}
+    ok = isinstance(info, dict) and all(isinstance(info.get(k), t) for k, t in fields.items())
+    return info if ok else None
+
+
+def _alive(lock: dict) -> bool:
+    if lock["host"] != socket.gethostname():
+        return time.time() - lock["beat"] < RunLock.STALE_S
+    start = _process_start(lock["pid"])
+    return start is not None and start == lock.get("pid_start", start)
+
+
+def _process_start(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, Linux), or None if it does not exist."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, IndexError):  # no /proc: fall back to whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return 0

@@ -7,11 +7,20 @@ import hashlib
 import numpy as np
 
 from jdp.config import ConfigError, DataConfig
+from jdp.corpus import data_files, decoding_error, resolve_source
 from jdp.tokens import windows
 
 
 def _digest(text: str) -> bytes:
     return hashlib.sha1(text.encode("utf-8")).digest()
+
+
+def _decoded(ds, cfg: DataConfig):
+    """Iterate `ds`; a file that is not valid UTF-8 becomes corpus.decoding_error's clear message."""
+    try:
+        yield from ds
+    except UnicodeDecodeError as e:
+        raise decoding_error(cfg, data_files(cfg, resolve_source(cfg)), e) from e
 
 
 def hold_out(ds, tokenizer, cfg: DataConfig) -> tuple[np.ndarray, set[bytes]]:
@@ -23,7 +32,7 @@ def hold_out(ds, tokenizer, cfg: DataConfig) -> tuple[np.ndarray, set[bytes]]:
     parts, digests, total = [], set(), 0
     if cfg.val_tokens <= 0:
         return np.zeros(0, np.uint16), digests
-    for example in ds:
+    for example in _decoded(ds, cfg):
         text = example[cfg.text_column] or ""
         if not text:
             continue
@@ -70,6 +79,8 @@ class StreamBatches:
                 self._it = iter(self._node)
             try:
                 example = next(self._it)
+            except UnicodeDecodeError as e:
+                raise decoding_error(self.cfg, data_files(self.cfg, resolve_source(self.cfg)), e) from e
             except StopIteration:
                 if self._docs_this_epoch == 0:
                     raise ConfigError(

@@ -41,7 +41,13 @@ class HFTokenizer:
         if file.is_file():
             from tokenizers import Tokenizer
 
-            self._tok = Tokenizer.from_file(str(file))
+            try:
+                self._tok = Tokenizer.from_file(str(file))
+            except Exception as e:  # tokenizers raises a bare Exception with the JSON parser's message
+                raise ConfigError(
+                    f"data.tokenizer={path}: {file} is not a Hugging Face tokenizer ({e}); give a tokenizer.json "
+                    f"saved by `tokenizers` or `transformers` (or its directory), or data.tokenizer=byte"
+                ) from e
             vocab = self._tok.get_vocab(with_added_tokens=True)
             self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
             self._encode = lambda texts: [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
@@ -53,7 +59,12 @@ class HFTokenizer:
                 raise ConfigError(
                     f"data.tokenizer={path}: has no tokenizer.json; `pip install transformers` to read it"
                 ) from e
-            self._tok = AutoTokenizer.from_pretrained(str(p))
+            try:
+                self._tok = AutoTokenizer.from_pretrained(str(p))
+            except Exception as e:
+                raise ConfigError(
+                    f"data.tokenizer={path}: transformers could not load a tokenizer from it ({e})"
+                ) from e
             vocab = self._tok.get_vocab()
             self.vocab_size = len(self._tok)
             self._encode = lambda texts: self._tok(texts, add_special_tokens=False)["input_ids"]

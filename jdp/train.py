@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import jax
+import numpy as np
 from jax.experimental import multihost_utils
 
 from jdp import parallel
@@ -19,7 +21,7 @@ from jdp.faults import Faults
 from jdp.loop import Loop, Phases, Result, Setup
 from jdp.metrics import MetricsLog, fingerprint, flops_per_token, lost_steps, params_sha256, peak_flops, supersede
 from jdp.model import lm_loss
-from jdp.rundir import RunDir
+from jdp.rundir import RunDir, RunDirInUse, RunLock
 from jdp.world import World, WorldError, initialize, resolve_world, use_compilation_cache
 
 
@@ -37,7 +39,9 @@ def train(cfg: Config, world: World | None = None) -> dict:
     if not jax.distributed.is_initialized():
         initialize(world, cfg.parallel.init_timeout_s, cfg.parallel.heartbeat_timeout_s)
     phases = Phases()
+    lock = RunLock(RunDir(cfg.train.run_dir))
     try:
+        hold(lock)
         s = setup(cfg, world, phases)
         result = Loop(s).run()
         with phases("writing the summary"):
@@ -47,6 +51,28 @@ def train(cfg: Config, world: World | None = None) -> dict:
     except Exception as e:
         who = f"process {jax.process_index()} of {jax.process_count()}"
         raise RunError(f"{who} failed while {phases.now}: {type(e).__name__}: {e}") from e
+    finally:
+        lock.release()
+
+
+def hold(lock: RunLock) -> None:
+    """Process 0 takes the run directory's lock for the whole job; every process learns whether it got it."""
+    problem = ""
+    if jax.process_index() == 0:
+        try:
+            if dead := lock.acquire():
+                print(
+                    f"jdp: warning: took over {lock.path} from a job that is gone (process {dead['pid']} on "
+                    f"{dead['host']}, started {dead['started']})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        except RunDirInUse as e:
+            problem = str(e)
+    if jax.process_count() > 1 and multihost_utils.broadcast_one_to_all(np.int32(bool(problem))) and not problem:
+        problem = f"{lock.path.parent} is in use by another job (process 0 names it)"
+    if problem:
+        raise ConfigError(problem)
 
 
 def setup(cfg: Config, world: World, phases: Phases) -> Setup:

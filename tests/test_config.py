@@ -294,8 +294,8 @@ def test_validate_dtype(key):
         ({"model": {"vocab_size": -1}}, "model.vocab_size=-1 must be positive"),
         ({"model": {"attention": "flash"}}, "model.attention='flash'"),
         ({"data": {"val_tokens": -1}}, "data.val_tokens"),
-        ({"optim": {"lr": 0.0}}, "optim.lr must be > 0"),
-        ({"optim": {"min_lr_ratio": 1.5}}, "optim.min_lr_ratio in [0, 1]"),
+        ({"optim": {"lr": 0.0}}, "optim.lr=0.0 must be positive"),
+        ({"optim": {"min_lr_ratio": 1.5}}, "optim.min_lr_ratio=1.5 must be in [0, 1]"),
     ],
 )
 def test_validate_other_problems(sections, needle):
@@ -388,11 +388,49 @@ def test_validate_parallel_options():
     with pytest.raises(ConfigError, match="single-process master pattern"):
         validate(_with(parallel={"strategy": "dp"}), n_devices=4, n_processes=2)
     validate(_with(parallel={"strategy": "dp"}), n_devices=4, n_processes=1)
-    with pytest.raises(ConfigError, match="must be ddp or dp"):
+    with pytest.raises(ConfigError, match="must be one of ddp, dp"):
         validate(_with(parallel={"strategy": "fsdp"}), n_devices=1)
     with pytest.raises(ConfigError, match="bucket_mb=-1.0 must be >= 0"):
         validate(_with(parallel={"bucket_mb": -1.0}), n_devices=1)
-    with pytest.raises(ConfigError, match="reduce_dtype='float16' must be float32 or bfloat16"):
+    with pytest.raises(ConfigError, match="reduce_dtype='float16' must be one of float32, bfloat16"):
         validate(_with(parallel={"reduce_dtype": "float16"}), n_devices=1)
     cfg = load_config(None, ["parallel.bucket_mb=0.5", "parallel.reduce_dtype=bfloat16"])
     assert cfg.parallel.bucket_mb == 0.5 and cfg.parallel.reduce_dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "NaN"])
+def test_non_finite_numbers_are_refused_before_anything_runs(value):
+    with pytest.raises(ConfigError) as e:
+        validate(load_config("tiny", [f"optim.lr={value}", f"parallel.bucket_mb={value}"]), n_devices=1)
+    assert "optim.lr=" in str(e.value) and "parallel.bucket_mb=" in str(e.value) and "finite" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("optim.b2=1.0", "optim.b2=1.0 must be in [0, 1)"),
+        ("optim.eps=0", "optim.eps=0.0 must be positive"),
+        ("optim.weight_decay=-0.1", "optim.weight_decay=-0.1 must be >= 0"),
+        ("data.encoding_errors=lenient", "data.encoding_errors='lenient' must be one of strict, replace, ignore"),
+    ],
+)
+def test_out_of_range_numbers_and_unknown_choices_are_refused(override, needle):
+    with pytest.raises(ConfigError) as e:
+        validate(load_config("tiny", [override]), n_devices=1)
+    assert needle in str(e.value)
+
+
+def test_every_shipped_config_is_valid():
+    from jdp.config import resolve_config_path
+
+    for name in ("tiny", "gpt2-small"):
+        cfg = load_config(name)
+        validate(cfg, n_devices=8 if name != "tiny" else 1)
+        assert resolve_config_path(name).is_file()
+
+
+def test_a_yaml_syntax_error_names_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  steps: [1, 2\n")
+    with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
+        load_config(bad)

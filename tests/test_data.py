@@ -678,3 +678,38 @@ def test_hf_tokenizer_missing_path(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_tokenizer(str(missing))
     assert str(missing) in str(e.value) and "no such file" in str(e.value)
+
+
+def test_a_file_that_is_not_a_tokenizer_names_data_tokenizer(tmp_path):
+    f = tmp_path / "tokenizer.json"
+    f.write_text('{"version": 1 "oops": 2}')
+    with pytest.raises(ConfigError) as e:
+        load_tokenizer(str(f))
+    assert f"data.tokenizer={f}" in str(e.value) and "not a Hugging Face tokenizer" in str(e.value)
+
+
+def _latin1_corpus(tmp_path):
+    (tmp_path / "a.txt").write_text("clean text\n" * 2000)
+    (tmp_path / "b.txt").write_bytes(b"line one\n" * 3000 + b"caf\xe9 au lait\n" + b"tail\n" * 10)
+    return tmp_path / "b.txt", 9 * 3000 + 3, 3001  # the file, the offset of 0xe9, its line
+
+
+def test_a_byte_that_is_not_utf8_names_the_file_offset_and_the_lenient_setting(tmp_path):
+    bad, offset, line = _latin1_corpus(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        load_documents(DataConfig(source=str(tmp_path / "*.txt")))
+    msg = str(e.value)
+    assert f"{bad} is not valid UTF-8: byte 0xe9 at offset {offset:,} (line {line:,})" in msg, msg
+    assert "data.encoding_errors=replace" in msg
+    ds = load_documents(DataConfig(source=str(tmp_path / "*.txt"), encoding_errors="replace"))
+    assert "caf\ufffd au lait" in ds["text"]  # read leniently when asked
+
+
+def test_a_local_path_that_does_not_exist_is_reported_before_any_hub_lookup(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail(f"looked it up: {a}"))
+    for typo in ("data/corpus_typo", "data/sub/corpus", "./corpus"):
+        with pytest.raises(ConfigError) as e:
+            load_documents(DataConfig(source=typo))
+        assert "no such file or directory" in str(e.value) and typo.lstrip("./") in str(e.value)

@@ -274,3 +274,95 @@ def test_an_error_in_a_background_save_ends_the_run_with_its_message(small, monk
     with pytest.raises(RunError, match="disk full") as info:
         train(small("train.steps=2", "train.ckpt_every=0"))
     assert "checkpoint" in str(info.value)  # the phase: saving or waiting for a checkpoint
+
+
+def _alter_in_place(path: Path) -> None:
+    """Change bytes in the middle of a file, keeping its size: what a bad disk or a stray write does."""
+    data = bytearray(path.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 64):
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+def test_a_checkpoint_altered_after_it_was_written_is_set_aside_like_a_truncated_one(small, tmp_path, capsys):
+    from jdp.generate import load_run
+
+    train(small("train.steps=8", "train.ckpt_every=4"))
+    biggest = max(
+        (p for p in (tmp_path / "run/checkpoints/8/state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size
+    )
+    _alter_in_place(biggest)
+    capsys.readouterr()
+    assert load_run(tmp_path / "run")[3] == 4  # jdp generate reads through the same check (and moves nothing)
+    assert ckpt_steps(tmp_path / "run") == [4, 8]
+    result = train(small("train.steps=10", "train.ckpt_every=4"))
+    captured = capsys.readouterr()
+    assert (
+        "checkpoints/8 cannot be restored" in captured.err and "resuming from the checkpoint at step 4" in captured.out
+    )
+    assert result["loss"] == result["loss"] and result["skipped_total"] == 0  # no NaN ever reached training
+    assert any(p.name.startswith("8-") for p in (tmp_path / "run/damaged-checkpoints").iterdir())
+
+
+def test_checkpoint_arrays_that_differ_from_their_saved_checksums_are_refused(small, tmp_path, capsys):
+    train(small("train.steps=8", "train.ckpt_every=4"))
+    record = tmp_path / "run/checkpoints/8/record/metadata"
+    saved = json.loads(record.read_text())
+    leaf = next(iter(saved["checksums"]))
+    saved["checksums"][leaf] ^= 1  # the record no longer describes the arrays beside it
+    record.write_text(json.dumps(saved))
+    capsys.readouterr()
+    train(small("train.steps=10", "train.ckpt_every=4"))
+    captured = capsys.readouterr()
+    assert "its arrays changed after it was written: 1 of" in captured.err and leaf in captured.err
+    assert "resuming from the checkpoint at step 4" in captured.out
+
+
+def test_a_second_job_on_a_live_run_directory_is_refused_and_a_dead_jobs_lock_is_taken_over(tmp_path, env):
+    d = tmp_path / "shared"
+    args = [sys.executable, "-m", "jdp.cli", "train", "configs/tiny.yaml", *SMALL, f"train.run_dir={d}"]
+    first = subprocess.Popen(
+        [*args, "train.steps=100000", "train.ckpt_every=5"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not (d / "checkpoints" / "5").exists():
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-3000:]
+            time.sleep(0.3)
+        second = subprocess.run([*args, "train.steps=3"], env=env, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert f"in use by another job: process {first.pid} on " in second.stderr and "started 20" in second.stderr
+        assert not (d / "metrics.superseded.jsonl").exists()  # it touched nothing
+        first.kill()  # SIGKILL: its lock stays behind, naming a process that is gone
+        first.wait()
+        assert (d / ".jdp-lock").exists()
+        third = subprocess.run([*args, "train.steps=8"], env=env, capture_output=True, text=True, timeout=300)
+        assert third.returncode == 0, third.stderr[-3000:]
+        assert f"took over {d / '.jdp-lock'} from a job that is gone (process {first.pid}" in third.stderr
+        assert not (d / ".jdp-lock").exists()  # released at the end
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+
+
+def test_a_lock_from_another_host_is_live_while_its_beat_is_fresh(tmp_path):
+    from jdp.rundir import RunDir, RunDirInUse, RunLock
+
+    lock_file = tmp_path / RunLock.NAME
+    other = {"host": "node-7", "pid": 4242, "pid_start": 1, "started": "2026-12-01 10:00:00 UTC"}
+    lock_file.write_text(json.dumps({**other, "beat": time.time() - 5}))
+    with pytest.raises(RunDirInUse, match="process 4242 on node-7, started 2026-12-01 10:00:00 UTC"):
+        RunLock(RunDir(tmp_path)).acquire()
+    lock_file.write_text(json.dumps({**other, "beat": time.time() - RunLock.STALE_S - 1}))
+    lock = RunLock(RunDir(tmp_path))
+    assert lock.acquire()["host"] == "node-7"  # silent for longer than STALE_S: taken over
+    assert json.loads(lock_file.read_text())["pid"] == os.getpid()
+    with pytest.raises(RunDirInUse):  # and now this process holds it
+        RunLock(RunDir(tmp_path)).acquire()
+    lock.release()
+    assert not lock_file.exists()

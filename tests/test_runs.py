@@ -146,3 +146,22 @@ def test_a_second_run_of_the_same_config_loads_its_programs_from_the_compilation
     ]
     shutil.rmtree(xla)
     assert "compile cache off" in run("third", "train.compile_cache=false") and not xla.exists()
+
+
+def test_a_cut_off_last_line_in_metrics_jsonl_does_not_block_resume_or_plot(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    train(load_config("tiny", [*SMALL, "train.steps=6", f"train.run_dir={run_dir}"]))
+    log = run_dir / "metrics.jsonl"
+    whole = log.read_text()
+    log.write_text(whole + '{"step": 7, "loss": 2.71')  # what a crash in mid-write leaves
+    from jdp.plot import load_run
+
+    assert load_run(run_dir)  # jdp plot reads what is whole
+    assert "metrics.jsonl: line(s) [" in capsys.readouterr().err
+    result = train(load_config("tiny", [*SMALL, "train.steps=9", f"train.run_dir={run_dir}"]))
+    assert result["loss"] == result["loss"]
+    err = capsys.readouterr().err
+    assert "cut-off or damaged line(s) moved to" in err and "metrics.damaged.jsonl" in err
+    assert (run_dir / "metrics.damaged.jsonl").read_text() == '{"step": 7, "loss": 2.71\n'
+    steps = [r["step"] for r in read_metrics(log) if "loss" in r]
+    assert steps == sorted(set(steps)) and steps[-1] == 9  # whole again, every step once
