@@ -41,8 +41,8 @@ def _device_ids(text: str) -> tuple[int, ...]:
 def _train(args: argparse.Namespace) -> int:
     from jdp import world as jobs
     from jdp.config import load_config
-    from jdp.train import RunError, train
 
+    jobs.watch_launcher()  # a worker of `jdp launch` never outlives it
     config, overrides = split_config_args(args.args)
     cfg = load_config(config, overrides)
     jobs.set_xla_flags(cfg.parallel.bucket_mb)  # before JAX first touches a device
@@ -51,15 +51,17 @@ def _train(args: argparse.Namespace) -> int:
         world = jobs.resolve_world(args.coordinator, args.num_processes, args.process_id, args.local_device_ids)
     except jobs.WorldError as e:
         raise ConfigError(str(e)) from e
+    from jdp.coordination import leave_job
+    from jdp.train import RunError, train
+
     try:
         train(cfg, world)
-    except RunError as e:
+    except (RunError, ConfigError) as e:
         print(f"jdp: error: {e}", file=sys.stderr, flush=True)
+        code = 1 if isinstance(e, RunError) else 2
         if world.num_processes > 1:
-            # Exit now: a clean shutdown would wait in JAX's shutdown barrier for peers that may be gone.
-            sys.stdout.flush()
-            os._exit(1)
-        return 1
+            leave_job(code)  # not through JAX's shutdown barrier, where peers that are gone would be awaited
+        return code
     return 0
 
 
@@ -215,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jdp.world import tolerate_broken_pipes
+
+    tolerate_broken_pipes()  # output to a reader that is gone is dropped; the command goes on
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and hasattr(args, "args") and not any(x.startswith("-") for x in extra):

@@ -89,7 +89,7 @@ class ParallelConfig:
     bucket_mb: float = 25.0  # gradient all-reduce bucket size in MiB (DDP's bucket_cap_mb); 0: one bucket
     reduce_dtype: str = "float32"  # dtype gradients travel in; bfloat16 halves the bytes (DDP's bf16 hook)
     init_timeout_s: int = 300  # how long a process waits for all others to join the job
-    heartbeat_timeout_s: int = 100  # a process silent this long is declared dead and the job stops
+    heartbeat_timeout_s: int = 30  # a process silent this long is declared dead and the job stops
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,69 @@ def key_value_store() -> KeyValueStore | None:
     return KeyValueStore(client)
 
 
+DEPARTED = "jdp/departed"  # the first process to leave the job abnormally says who it was and why
+POLL_S = 0.5
+
+
+def announce_departure(why: str) -> None:
+    """Tell every other process that this one is leaving the job, and why (best effort: the first to leave is
+    the one named; its peers' PeerMonitor ends them within a second instead of leaving them to wait for it)."""
+    try:
+        kv = key_value_store()
+        if kv is not None:
+            kv.set(DEPARTED, f"process {jax.process_index()} {why}"[:2000])
+    except Exception:
+        pass  # another process left first (it is the one named), or the coordinator is gone
+
+
+def first_departure() -> str | None:
+    """Another process's departure notice, if one left the job before this one (None when it was this one)."""
+    try:
+        kv = key_value_store()
+        notice = kv.try_get(DEPARTED) if kv is not None else None
+    except Exception:
+        return None
+    if notice is None or notice.startswith(f"process {jax.process_index()} "):
+        return None
+    return "".join(c if c.isprintable() else "?" for c in notice[:500])
+
+
+def leave_job(code: int) -> None:
+    """Exit now, never through JAX's shutdown barrier (which would wait for peers that may be gone). Process 0
+    first gives its peers' monitors time to read the departure notice, which lives in its coordinator (and
+    JAX may abort it, after its own message, as they go)."""
+    if jax.process_count() > 1 and jax.process_index() == 0:
+        time.sleep(3 * POLL_S)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class PeerMonitor:
+    """Ends this process, naming who left and why, within a second of another process announcing its departure:
+    no process waits in a collective, a barrier or a checkpoint save for a peer that is gone."""
+
+    def __init__(self):
+        self._stop = threading.Event()
+        self.kv = key_value_store()
+        if self.kv is not None:
+            threading.Thread(target=self._run, daemon=True, name="jdp-peer-monitor").start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            if (shown := first_departure()) and not self._stop.is_set():
+                print(
+                    f"jdp: error: process {jax.process_index()} of {jax.process_count()}: stopping because {shown}; "
+                    f"not waiting for it",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(5)
+
+    def close(self) -> None:
+        self._stop.set()
+
+
 class StopAgreement:
     """SIGTERM or SIGINT to any process makes every process stop after the same step (then save and exit 0).
 
@@ -115,6 +178,7 @@ class StopAgreement:
         self.signals += 1
         if self.signals > 1:
             print(f"jdp: second {signal.Signals(sig).name}: exiting now, without saving", file=sys.stderr, flush=True)
+            announce_departure(f"exited at a second {signal.Signals(sig).name}")
             os._exit(128 + sig)
         self._pending = sig
 
@@ -191,6 +255,7 @@ class Watchdog:
                     file=sys.stderr,
                     flush=True,
                 )
+                announce_departure(f"gave up: no step finished for {self.timeout_s:g} s after step {self.step}")
                 os._exit(4)
 
     def _behind(self) -> str:

@@ -4,7 +4,9 @@
 - JDP_TEST_KILL=STEP: SIGKILL process 0 after that step; STEP:save: just after it starts that step's save;
 - JDP_TEST_TERM=STEP:save: SIGTERM process 0 just after it starts the save at STEP;
 - JDP_TEST_DIVERGE=STEP: perturb the last device's replica before the replica check at STEP;
-- JDP_TEST_STALL=STEP:PROCESS: that process stops before that step.
+- JDP_TEST_STALL=STEP:PROCESS: that process stops before that step;
+- JDP_TEST_FAIL=STEP:WHERE:PROCESS: that process raises an error at step STEP where it logs the step's metrics
+  (log), starts evaluating (eval) or starts saving (save): a process leaving the job outside a step.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Faults:
         self.term = env.get("JDP_TEST_TERM", "")
         self.diverge = env.get("JDP_TEST_DIVERGE", "")
         self.stall = env.get("JDP_TEST_STALL", "")
+        self.fail = env.get("JDP_TEST_FAIL", "")
 
     def batch(self, step: int, local: dict) -> dict:
         """Before step `step` (1-based) runs on this process's rows `local`: stall, or poison the batch."""
@@ -36,6 +39,11 @@ class Faults:
         if step in self.nan_steps:
             return {**local, "weights": local["weights"] * np.float32("nan")}
         return local
+
+    def at(self, where: str, step: int) -> None:
+        """At a named point of step `step` (log, eval, save): raise, as a bug or a full disk would there."""
+        if self.fail == f"{step}:{where}:{jax.process_index()}":
+            raise RuntimeError(f"injected failure at step {step} ({where})")
 
     def after_step(self, step: int, before_dying: Callable[[], None]) -> None:
         """After step `step`: die, once `before_dying` has logged what the step produced."""

@@ -131,6 +131,9 @@ class Launcher:
                 JAX_PROCESS_ID=str(rank),
                 LOCAL_RANK=str(local),
                 PYTHONUNBUFFERED="1",
+                # The worker stops (at an agreed step, then for good after --grace-s) if this launcher dies.
+                JDP_LAUNCHER_PID=str(os.getpid()),
+                JDP_LAUNCHER_GRACE_S=str(a.grace_s),
             )
             pin = None
             if gpus is not None:

@@ -201,6 +201,7 @@ class Loop:
                 f"is step {self.newest_checkpoint_before(step)}. Lower optim.lr or check the data"
             )
         if record := self.meter.record(step, m, self.loader.wait_s):
+            self.s.faults.at("log", step)
             self.s.log.write(record)
             self.last.update(record)
         tps = f"{self.meter.tps:,.0f}" if self.meter.tps else "-"
@@ -219,6 +220,7 @@ class Loop:
     def evaluate(self, step: int) -> None:
         s = self.s
         with s.phases(f"evaluating at step {step}", "eval_s", pause_watchdog=True):
+            s.faults.at("eval", step)
             loss, n_tok = evaluate(s.eval_step, self.state, s.data.tokens.val, s.cfg, s.mesh, s.data.rows)
             s.log.write({"step": step, "eval_loss": loss, "eval_tokens": n_tok})
             self.last.update(eval_loss=loss)
@@ -229,6 +231,7 @@ class Loop:
     def save(self, step: int) -> None:
         s = self.s
         with s.phases(f"saving the checkpoint at step {step}", "checkpoint_s", pause_watchdog=True):
+            s.faults.at("save", step)
             if s.cfg.data.streaming:  # each process's own stream position, beside the checkpoint
                 where = s.run_dir.data_state(step, jax.process_index())
                 where.parent.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ from jdp import parallel
 from jdp.build import build
 from jdp.checkpoint import Checkpoints, check_resumable
 from jdp.config import Config, ConfigError, save_config, validate
+from jdp.coordination import PeerMonitor, announce_departure, first_departure
 from jdp.corpus import cache_root
 from jdp.data import load_data
 from jdp.faults import Faults
@@ -39,19 +40,26 @@ def train(cfg: Config, world: World | None = None) -> dict:
     if not jax.distributed.is_initialized():
         initialize(world, cfg.parallel.init_timeout_s, cfg.parallel.heartbeat_timeout_s)
     phases = Phases()
-    lock = RunLock(RunDir(cfg.train.run_dir))
+    lock, peers = RunLock(RunDir(cfg.train.run_dir)), PeerMonitor()
     try:
         hold(lock)
         s = setup(cfg, world, phases)
         result = Loop(s).run()
         with phases("writing the summary"):
             return finish(s, world, result)
-    except (ConfigError, KeyboardInterrupt):
+    except ConfigError as e:
+        announce_departure(f"found bad input: {e}")
+        raise
+    except KeyboardInterrupt:
+        announce_departure("was interrupted")
         raise
     except Exception as e:
+        announce_departure(f"failed while {phases.now}: {type(e).__name__}: {e}")
         who = f"process {jax.process_index()} of {jax.process_count()}"
-        raise RunError(f"{who} failed while {phases.now}: {type(e).__name__}: {e}") from e
+        first = f" (the first to leave the job: {notice})" if (notice := first_departure()) else ""
+        raise RunError(f"{who} failed while {phases.now}: {type(e).__name__}: {e}{first}") from e
     finally:
+        peers.close()
         lock.release()
 
 

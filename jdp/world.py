@@ -10,8 +10,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import signal
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,7 +138,7 @@ def resolve_world(
     return World(None, 1, 0, "no job description found")
 
 
-def initialize(world: World, init_timeout_s: int = 300, heartbeat_timeout_s: int = 100) -> None:
+def initialize(world: World, init_timeout_s: int = 300, heartbeat_timeout_s: int = 30) -> None:
     """Join the job `world` describes (nothing to do for one process). Call before anything touches devices.
 
     If the other processes have not all arrived within init_timeout_s, this process exits with a message
@@ -178,8 +180,77 @@ def initialize(world: World, init_timeout_s: int = 300, heartbeat_timeout_s: int
         local_device_ids=list(world.local_device_ids) if world.local_device_ids else None,
         initialization_timeout=init_timeout_s + 30,  # our watchdog speaks first
         heartbeat_timeout_seconds=heartbeat_timeout_s,
+        # A process that exits waits at most this long in JAX's shutdown barrier for peers that may be gone.
+        shutdown_timeout_seconds=heartbeat_timeout_s,
     )
     joined.set()
+
+
+LAUNCHER_PID, LAUNCHER_GRACE_S = "JDP_LAUNCHER_PID", "JDP_LAUNCHER_GRACE_S"  # what `jdp launch` tells its workers
+
+
+def watch_launcher(environ: Mapping[str, str] | None = None, poll_s: float = 0.5) -> bool:
+    """In a worker of `jdp launch`: when the launcher dies (SIGKILL, OOM, scancel), stop too, never outlive it.
+
+    The worker sends itself SIGTERM, which the training loop turns into a stop at a step every worker agrees on
+    (they all lose the launcher at once) and a checkpoint; if it has not exited after the launcher's grace
+    period, it exits anyway. True if this process is such a worker.
+    """
+    environ = os.environ if environ is None else environ
+    if not environ.get(LAUNCHER_PID, "").isdigit():
+        return False
+    launcher, grace_s = int(environ[LAUNCHER_PID]), float(environ.get(LAUNCHER_GRACE_S, "30"))
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(poll_s)
+        print(
+            f"jdp: error: the launcher (pid {launcher}) is gone; stopping this worker at a step the workers agree "
+            f"on (exiting in at most {grace_s:g} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        print(f"jdp: error: still running {grace_s:g} s after the launcher died; exiting", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="jdp-launcher-watch").start()
+    return True
+
+
+class _Unbreakable:
+    """A text stream whose writes never raise once its reader is gone (a dead launcher, a closed pipe): the
+    output is lost, the process goes on (and so never dies in a way that strands its peers)."""
+
+    def __init__(self, stream):
+        self._stream, self.broken = stream, False
+
+    def write(self, text: str) -> int:
+        if not self.broken:
+            try:
+                return self._stream.write(text)
+            except (BrokenPipeError, ConnectionResetError, ValueError):  # ValueError: written after close
+                self.broken = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.broken:
+            try:
+                self._stream.flush()
+            except (BrokenPipeError, ConnectionResetError, ValueError):
+                self.broken = True
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def tolerate_broken_pipes() -> None:
+    """Make sys.stdout and sys.stderr writes that find their pipe closed harmless (the output is dropped)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _Unbreakable):
+            setattr(sys, name, _Unbreakable(stream))
 
 
 def collective_flags(bucket_mb: float) -> dict[str, str]:

@@ -366,3 +366,24 @@ def test_a_lock_from_another_host_is_live_while_its_beat_is_fresh(tmp_path):
         RunLock(RunDir(tmp_path)).acquire()
     lock.release()
     assert not lock_file.exists()
+
+
+def test_streaming_run_killed_and_resumed_reads_the_documents_an_uninterrupted_run_reads(tmp_path, env):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    rng = __import__("random").Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta", "iota", "kappa"]
+    for f in range(4):  # documents of different lengths, so windows straddle documents and shards
+        docs = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 120))) for _ in range(60)]
+        (shards / f"part-{f}.jsonl").write_text("\n".join(json.dumps({"text": f"{f}: {d}"}) for d in docs))
+    stream = [f"data.source={shards}", "data.streaming=true", "data.val_tokens=1024", "train.steps=12"]
+    stream += ["train.ckpt_every=4"]
+    ref, killed = tmp_path / "reference", tmp_path / "killed"
+    run(ref, env, (1, 4), stream)
+    out = run(killed, env, (1, 4), stream, hooks={"JDP_TEST_KILL": "10"}, check=False)
+    start = ckpt_steps(killed)[-1]  # 8, or 4 when the save of 8 was still being written at the kill
+    assert out.returncode != 0 and start in (4, 8) and (killed / "data_state" / str(start)).is_dir()
+    resumed = run(killed, env, (1, 4), stream)
+    assert f"resuming from the checkpoint at step {start}" in resumed.stdout
+    assert losses(killed) == losses(ref)  # the redone steps saw exactly the reference's documents
+    assert summary(killed)["params_sha256"] == summary(ref)["params_sha256"]

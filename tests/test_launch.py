@@ -177,3 +177,56 @@ def test_cpu_workers_get_disjoint_core_sets():
     assert groups is not None and len(groups) == len(cores)
     assert set().union(*groups) == set(cores) and all(len(g) == 1 for g in groups)
     assert cpu_groups(len(cores) + 1) is None  # fewer cores than workers: no pinning
+
+
+SMALL = ["model.n_layers=2", "model.d_model=64", "model.max_seq_len=64", "data.seq_len=64", "train.batch_size=16"]
+SMALL += ["train.log_every=1", "train.eval_every=0", "train.progress=false", "data.val_tokens=4096"]
+
+
+def test_workers_of_a_launcher_killed_with_sigkill_stop_at_an_agreed_step_within_seconds(tmp_path, env):
+    d = tmp_path / "orphans"
+    args = ["launch", "--nproc-per-node", "2", "--grace-s", "8", "--", "train", "configs/tiny.yaml", *SMALL]
+    args += ["train.steps=100000", "train.ckpt_every=0", f"train.run_dir={d}"]
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "jdp.cli", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    workers = []
+    try:
+        deadline = time.monotonic() + 180
+        while not ((d / "metrics.jsonl").exists() and len(read_metrics(d / "metrics.jsonl")) >= 3):
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[1][-3000:]
+            time.sleep(0.3)
+        workers = psutil.Process(launcher.pid).children(recursive=True)
+        assert len(workers) >= 2
+        launcher.kill()  # SIGKILL: no forwarding, and the workers' output pipes now lead nowhere
+        launcher.wait()
+        launcher.stdout.close()
+        launcher.stderr.close()
+        gone, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive, f"workers alive 10 s after their launcher was killed: {alive}"
+        stopped = json.loads((d / "summary.json").read_text())  # and they stopped cleanly, with a checkpoint
+        assert stopped["preempted"] and (d / "checkpoints" / str(stopped["steps"])).is_dir()
+    finally:
+        for p in [launcher, *workers]:
+            try:
+                p.kill()
+            except (ProcessLookupError, psutil.NoSuchProcess):
+                pass
+
+
+def test_a_process_that_leaves_outside_a_step_is_named_by_the_others_within_seconds(tmp_path, env, spawn):
+    """No launcher to stop the others: the process that fails says so in the job's key-value store, and the
+    others stop (non-zero) naming it and its phase, instead of waiting for it in a collective or a barrier."""
+    for where, pid in [("save", 0), ("log", 1), ("eval", 0)]:
+        d = tmp_path / f"{where}-{pid}"
+        argv = ["-m", "jdp.cli", "train", "configs/tiny.yaml", *SMALL, "train.steps=100000", f"train.run_dir={d}"]
+        argv += ["train.ckpt_every=5", "train.eval_every=5", "data.val_tokens=4096"]
+        start = time.monotonic()
+        results = spawn(argv, 2, 1, env={**env, "JDP_TEST_FAIL": f"5:{where}:{pid}"}, timeout=240)
+        assert time.monotonic() - start < 200
+        phase = {"save": "saving the checkpoint at step 5", "log": "running step 5", "eval": "evaluating at step 5"}
+        # Process 0 may be aborted by JAX as its peers go, after its own message.
+        assert results[pid][0] != 0 and f"failed while {phase[where]}" in results[pid][2], results[pid][2][-2000:]
+        other = results[1 - pid]
+        assert other[0] != 0
+        assert f"process {pid} failed while {phase[where]}" in other[2], other[2][-2000:]
