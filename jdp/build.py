@@ -5,8 +5,11 @@ Shared by training, `jdp generate` (the state's structure to restore into) and `
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import numpy as np
+import optax
 from flax import nnx
 
 from jdp import parallel
@@ -15,13 +18,20 @@ from jdp.model import GPT, count_params, lm_loss
 from jdp.optim import make_optimizer
 
 
-def build(cfg: Config, mesh: jax.sharding.Mesh):
-    """The configured model's (graphdef, initial state, jitted train step, parameter count) on `mesh`."""
+class Built(NamedTuple):
+    graphdef: nnx.GraphDef
+    state: parallel.TrainState
+    train_step: object  # jitted (state, batch) -> (state, metrics)
+    n_params: int
+    optimizer: optax.GradientTransformation
+
+
+def build(cfg: Config, mesh: jax.sharding.Mesh) -> Built:
+    """The configured model, its initial state (laid out for parallel.strategy) and jitted train step on `mesh`."""
     model = GPT(cfg.model, nnx.Rngs(cfg.train.seed))
     n_params = count_params(model)
     optimizer, schedule = make_optimizer(cfg.optim, cfg.train.steps)
-    graphdef, state = parallel.init_state(model, optimizer, mesh)
-    state = parallel.for_strategy(state, cfg.parallel.strategy, mesh)
+    graphdef, state = parallel.init_state(model, optimizer, mesh, cfg.parallel.strategy)
     p = cfg.parallel
     train_step = parallel.make_train_step(
         graphdef,
@@ -34,7 +44,7 @@ def build(cfg: Config, mesh: jax.sharding.Mesh):
         bucket_mb=p.bucket_mb,
         reduce_dtype=p.reduce_dtype,
     )
-    return graphdef, state, train_step, n_params
+    return Built(graphdef, state, train_step, n_params, optimizer)
 
 
 def batch_spec(cfg: Config, mesh) -> dict[str, jax.ShapeDtypeStruct]:

@@ -131,11 +131,13 @@ class Checkpoints:
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
-    def restore_latest(self, state_like, check=lambda record: None) -> tuple[int, object, dict] | None:
+    def restore_latest(self, state_like, check=lambda record: None, target=None) -> tuple[int, object, dict] | None:
         """The newest checkpoint that restores, warning about (and setting aside) newer ones that do not.
 
         `check(record)` sees each checkpoint's JSON record before its arrays are read; what it raises (a
-        refused config change) ends the search. None when there are no checkpoints at all.
+        refused config change) ends the search. `target(record)`, if given, says what to restore that checkpoint
+        into (its optimizer state may be laid out for another strategy); else `state_like`. None when there are
+        no checkpoints at all.
         """
         steps, damaged = self.steps(), []
         for step in reversed(steps):
@@ -149,7 +151,8 @@ class Checkpoints:
                 continue
             check(record)
             args = ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract(state_like)), record=ocp.args.JsonRestore()
+                state=ocp.args.StandardRestore(abstract(target(record) if target else state_like)),
+                record=ocp.args.JsonRestore(),
             )
             try:
                 restored = self.manager.restore(step, args=args)

@@ -45,7 +45,7 @@ def _train(args: argparse.Namespace) -> int:
     jobs.watch_launcher()  # a worker of `jdp launch` never outlives it
     config, overrides = split_config_args(args.args)
     cfg = load_config(config, overrides)
-    jobs.set_xla_flags(cfg.parallel.bucket_mb)  # before JAX first touches a device
+    jobs.set_xla_flags(cfg.parallel.bucket_mb, strategy=cfg.parallel.strategy)  # before JAX first touches a device
     jobs.keep_scratch_memory()
     try:
         world = jobs.resolve_world(args.coordinator, args.num_processes, args.process_id, args.local_device_ids)
@@ -77,7 +77,7 @@ def _allreduce(args: argparse.Namespace) -> int:
 
     config, overrides = split_config_args(args.args)
     cfg = load_config(config, overrides)
-    world.set_xla_flags(cfg.parallel.bucket_mb)
+    world.set_xla_flags(cfg.parallel.bucket_mb, strategy=cfg.parallel.strategy)
     text, numbers = all_reduce_report(cfg)
     print(text)
     if args.json:

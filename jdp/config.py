@@ -85,7 +85,9 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    strategy: str = "ddp"  # ddp: all-reduce, every replica updates; dp: PyTorch DataParallel's master (a baseline)
+    # ddp: all-reduce, every replica updates; zero1: ddp with the optimizer state split over the devices
+    # (reduce-scatter, update a slice, all-gather); dp: PyTorch DataParallel's master (a baseline)
+    strategy: str = "ddp"
     bucket_mb: float = 25.0  # gradient all-reduce bucket size in MiB (DDP's bucket_cap_mb); 0: one bucket
     reduce_dtype: str = "float32"  # dtype gradients travel in; bfloat16 halves the bytes (DDP's bf16 hook)
     init_timeout_s: int = 300  # how long a process waits for all others to join the job
@@ -260,7 +262,7 @@ CHOICES = {
     "model.attention": ("auto", "einsum", "xla", "cudnn"),
     "data.encoding_errors": ("strict", "replace", "ignore"),
     "optim.name": ("adamw", "sgd"),
-    "parallel.strategy": ("ddp", "dp"),
+    "parallel.strategy": ("ddp", "zero1", "dp"),
     "parallel.reduce_dtype": ("float32", "bfloat16"),
 }
 

@@ -27,8 +27,8 @@ Tokenizer = ByteTokenizer | HFTokenizer
 def load_run(run_dir: str | Path) -> tuple[Config, GPT, Tokenizer, int]:
     """(config, model with the latest checkpoint's parameters, tokenizer, that checkpoint's step), on one device.
 
-    The checkpoint may come from any number of devices: every leaf is replicated, and orbax restores it
-    into the one-device template's sharding.
+    The checkpoint may come from any number of devices and any strategy: orbax restores every leaf onto the
+    one device, in the layout the checkpoint's record names.
     """
     run = RunDir(run_dir)
     if not run.config.is_file():
@@ -44,9 +44,15 @@ def load_run(run_dir: str | Path) -> tuple[Config, GPT, Tokenizer, int]:
             raise ConfigError(f"{run_dir} has no checkpoint yet ({ckpts.dir} is empty); train it first")
         # build() gives the state's structure, shapes and shardings on a one-device mesh; it compiles nothing
         # but the optimizer's init, and the restore overwrites every value.
-        graphdef, state, _, _ = build(cfg, parallel.make_mesh(jax.devices()[:1]))
+        mesh, strategy = parallel.make_mesh(jax.devices()[:1]), cfg.parallel.strategy
+        graphdef, state, _, _, optimizer = build(cfg, mesh)
         try:
-            restored = ckpts.restore_latest(state)
+            restored = ckpts.restore_latest(
+                state,
+                target=lambda r: parallel.restore_target(
+                    state, optimizer, mesh, strategy, parallel.OptLayout.of_record(r)
+                ),
+            )
         except ConfigError as e:
             raise ConfigError(
                 f"none of the checkpoints {steps} in {ckpts.dir} can be restored (see the warnings)"

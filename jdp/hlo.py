@@ -1,4 +1,4 @@
-"""Program inspection: the all-reduces of a compiled step, read from its HLO text, and the `jdp allreduce` report."""
+"""Program inspection: the collectives of a compiled step, read from its HLO text, and the `jdp allreduce` report."""
 
 from __future__ import annotations
 
@@ -25,16 +25,22 @@ _DTYPE_BYTES.update({"f64": 8, "s64": 8, "u64": 8})
 
 
 @dataclass
-class AllReduce:
+class Collective:
+    kind: str  # all-reduce, reduce-scatter or all-gather
     name: str
     computation: str  # the HLO computation it sits in
     in_loop: bool  # inside a while-loop body or condition: it would run once per iteration
-    shapes: list[str]
-    bytes: int
+    shapes: list[str]  # its result's
+    bytes: int  # the whole buffer it covers: for a reduce-scatter its input, the result times the group size
 
 
-def all_reduces(hlo_text: str) -> list[AllReduce]:
-    """Every all-reduce in optimized HLO text, with its bytes and whether it sits inside a loop."""
+AllReduce = Collective  # the name of earlier versions
+
+KINDS = ("all-reduce", "reduce-scatter", "all-gather")
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every all-reduce, reduce-scatter and all-gather in optimized HLO text, with bytes and loop placement."""
     loop_comps = set(re.findall(r"(?:body|condition)=%?([\w.\-]+)", hlo_text))
     found, computation = [], ""
     for line in hlo_text.splitlines():
@@ -42,93 +48,144 @@ def all_reduces(hlo_text: str) -> list[AllReduce]:
         if header and not line.startswith(" "):
             computation = header.group(1)
             continue
-        m = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) all-reduce(?:-start)?\(", line)
+        m = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) (all-reduce|reduce-scatter|all-gather)(?:-start)?\(", line)
         if m:
             shapes = re.findall(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]", m.group(2))
             nbytes = sum(_DTYPE_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d) for t, dims in shapes)
+            if m.group(3) == "reduce-scatter":
+                nbytes *= _group_size(line)
             found.append(
-                AllReduce(m.group(1), computation, computation in loop_comps, [f"{t}[{d}]" for t, d in shapes], nbytes)
-            )
+                Collective(
+                    m.group(3), m.group(1), computation, computation in loop_comps,
+                    [f"{t}[{d}]" for t, d in shapes], nbytes,
+                )
+            )  # fmt: skip
     return found
 
 
-def all_reduce_report(cfg: Config) -> tuple[str, dict]:
-    """Compile the configured train step on this job's devices and list its all-reduces (no data, no run).
+def _group_size(line: str) -> int:
+    """Devices in each replica group of a collective: `mesh['data'=4]` or `{{0,1,2,3}}`."""
+    if m := re.search(r"replica_groups=mesh\[([^\]]*)\]", line):
+        return math.prod(int(n) for n in re.findall(r"=(\d+)", m.group(1)))
+    if m := re.search(r"replica_groups=\{\{([\d,]*)\}", line):
+        return len(m.group(1).split(","))
+    if m := re.search(r"replica_groups=\[(\d+),(\d+)\]", line):  # iota form [groups,size]
+        return int(m.group(2))
+    raise ValueError(f"no replica groups in {line[:200]}")
 
-    Returns the printable table and the numbers: gradient all-reduces (count, bytes each, total) and
-    the parameter bytes they must add up to.
+
+def all_reduces(hlo_text: str) -> list[Collective]:
+    """Every all-reduce in optimized HLO text, with its bytes and whether it sits inside a loop."""
+    return [c for c in collectives(hlo_text) if c.kind == "all-reduce"]
+
+
+def all_reduce_report(cfg: Config) -> tuple[str, dict]:
+    """Compile the configured train step on this job's devices and list its collectives (no data, no run).
+
+    ddp: the gradient all-reduces; zero1: the gradient reduce-scatters and the parameter all-gathers. Returns the
+    printable table and the numbers: count and bytes of each kind, and the (padded) parameter bytes they must
+    add up to.
     """
-    if cfg.parallel.strategy != "ddp":
-        raise ConfigError("the all-reduce report is for parallel.strategy=ddp (dp gathers to a master instead)")
+    strategy = cfg.parallel.strategy
+    if strategy == "dp":
+        raise ConfigError(
+            "the collectives report is for parallel.strategy=ddp or zero1 (dp gathers to a master instead)"
+        )
     mesh = parallel.make_mesh()
-    derived = validate(cfg, mesh.devices.size, jax.process_count())
-    graphdef, state, train_step, n_params = build(cfg, mesh)
+    n = mesh.devices.size
+    derived = validate(cfg, n, jax.process_count())
+    graphdef, state, train_step, n_params, _ = build(cfg, mesh)
     spec = batch_spec(cfg, mesh)
     micro = {k: jax.ShapeDtypeStruct((derived.micro_batch, *v.shape[1:]), v.dtype) for k, v in spec.items()}
     p = cfg.parallel
     buckets = bucket_plan(graphdef, lm_loss, state.params, state.rest, micro, p.bucket_mb, p.reduce_dtype)
+    shapes = jax.tree.leaves(state.params)
+    pad = n if strategy == "zero1" else 1  # zero1 pads every gradient and parameter to a multiple of n
+    padded = [sum(shapes[k].size + -shapes[k].size % pad for k in b.leaves) for b in buckets]
+    grad_kind = "reduce-scatter" if strategy == "zero1" else "all-reduce"
     lowered = train_step.lower(state, spec)
-    emitted_found = all_reduces(lowered.as_text(dialect="hlo"))  # the program before XLA's passes
-    emitted = _gradient_all_reduces(emitted_found, buckets)
-    found = all_reduces(lowered.compile().as_text())
-    grads = _gradient_all_reduces(found, buckets)
-    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params))
+    emitted_found = collectives(lowered.as_text(dialect="hlo"))  # the program before XLA's passes
+    emitted = _match(emitted_found, grad_kind, buckets, padded)
+    found = collectives(lowered.compile().as_text())
+    grads = _match(found, grad_kind, buckets, padded)
+    gathers = _match(found, "all-gather", buckets, padded) if strategy == "zero1" else {}
+    param_bytes = sum(x.size * x.dtype.itemsize for x in shapes)
+    padded_bytes = sum(x.dtype.itemsize * (x.size + -x.size % pad) for x in shapes)
     lines = [
-        f"all-reduces of the compiled train step: {mesh.devices.size} x {jax.devices()[0].device_kind}, "
+        f"collectives of the compiled train step: parallel.strategy={strategy}, {n} x {jax.devices()[0].device_kind}, "
         f"parallel.bucket_mb={p.bucket_mb:g}, parallel.reduce_dtype={p.reduce_dtype}, "
         f"train.grad_accum={cfg.train.grad_accum}",
-        f"{'#':>3}  {'bytes':>13}  {'operand':<18} {'in a loop':<9}  contents",
+        f"{'#':>3}  {'kind':<14} {'bytes':>13}  {'result':<18} {'in a loop':<9}  contents",
     ]
-    for i, a in enumerate(found, 1):
-        b = grads.get(id(a))
-        more = f" + {len(b.names) - 3} more" if b and len(b.names) > 3 else ""
-        what = f"gradients: {', '.join(b.names[:3])}{more}" if b else "loss and token count"
-        lines.append(f"{i:>3}  {a.bytes:>13,}  {' '.join(a.shapes):<18} {'yes' if a.in_loop else 'no':<9}  {what}")
+    lines += _rows(found, grads, gathers)
     grad_bytes = sum(a.bytes for a in found if id(a) in grads)
+    gather_bytes = sum(a.bytes for a in found if id(a) in gathers)
     emitted_bytes = sum(a.bytes for a in emitted_found if id(a) in emitted)
-    others = [a for a in found if id(a) not in grads]
+    others = [a for a in found if id(a) not in grads and id(a) not in gathers]
+    padding = f"; {padded_bytes:,} padded to multiples of {n}" if strategy == "zero1" else ""
     lines.append(
-        f"gradients: {len(grads)} all-reduce(s), {grad_bytes:,} bytes in all = {grad_bytes / param_bytes:.2f} x the "
-        f"parameter bytes ({param_bytes:,} bytes, {n_params:,} parameters); other all-reduces: {len(others)}, "
-        f"{sum(a.bytes for a in others):,} bytes"
+        f"gradients: {len(grads)} {grad_kind}(s), {grad_bytes:,} bytes in all = {grad_bytes / param_bytes:.2f} x "
+        f"the parameter bytes ({param_bytes:,} bytes, {n_params:,} parameters{padding})"
     )
+    if strategy == "zero1":
+        lines.append(f"parameters: {len(gathers)} all-gather(s), {gather_bytes:,} bytes in all")
+    lines.append(f"other collectives: {len(others)}, {sum(a.bytes for a in others):,} bytes")
     if emitted_bytes != grad_bytes:
         lines.append(
-            f"as jdp emits them the gradients are {len(emitted)} all-reduce(s) of {emitted_bytes:,} bytes; "
+            f"as jdp emits them the gradients are {len(emitted)} {grad_kind}(s) of {emitted_bytes:,} bytes; "
             f"XLA on {jax.devices()[0].platform} changed that (CPUs have no bfloat16 all-reduce, so XLA "
             f"promotes it to float32 there; GPUs keep it)"
         )
-    if mesh.devices.size == 1:
-        lines.append("one device: XLA removes every all-reduce; add --devices N to see the N-device program")
+    if n == 1:
+        lines.append("one device: XLA removes every collective; add --devices N to see the N-device program")
     numbers = {
-        "devices": mesh.devices.size,
-        "gradient_all_reduces": len(grads),
+        "strategy": strategy,
+        "devices": n,
+        "gradient_collective": grad_kind,
+        "gradient_all_reduces": len(grads) if grad_kind == "all-reduce" else 0,
+        "gradient_reduce_scatters": len(grads) if grad_kind == "reduce-scatter" else 0,
         "gradient_bytes": [a.bytes for a in found if id(a) in grads],
         "gradient_bytes_total": grad_bytes,
-        "emitted_gradient_all_reduces": len(emitted),
+        "parameter_all_gathers": len(gathers),
+        "parameter_gather_bytes_total": gather_bytes,
+        "emitted_gradient_collectives": len(emitted),
         "emitted_gradient_bytes_total": emitted_bytes,
         "parameter_bytes": param_bytes,
-        "planned_bucket_bytes": [b.nbytes for b in buckets],
-        "other_all_reduces": len(others),
+        "padded_parameter_bytes": padded_bytes,
+        "planned_bucket_bytes": [e * jax.numpy.dtype(p.reduce_dtype).itemsize for e in padded],
+        "other_all_reduces": sum(a.kind == "all-reduce" for a in others),
+        "other_collectives": len(others),
+        "other_bytes": [a.bytes for a in others],
         "in_loop": sum(a.in_loop for a in found),
     }
     return "\n".join(lines), numbers
 
 
-def _gradient_all_reduces(found: list, buckets: list) -> dict:
-    """Which all-reduces carry gradients: id(all-reduce) -> its planned bucket, matched by element count."""
-    unused = list(buckets)
+def _rows(found: list, grads: dict, gathers: dict) -> list[str]:
+    """One line per collective: kind, bytes, result shape, whether in a loop, and what it carries."""
+    rows = []
+    for i, a in enumerate(found, 1):
+        b = grads.get(id(a)) or gathers.get(id(a))
+        more = f" + {len(b.names) - 3} more" if b and len(b.names) > 3 else ""
+        what = "gradients" if id(a) in grads else "parameters"
+        what = f"{what}: {', '.join(b.names[:3])}{more}" if b else "loss and token count, or norms"
+        rows.append(
+            f"{i:>3}  {a.kind:<14} {a.bytes:>13,}  {' '.join(a.shapes):<18} {'yes' if a.in_loop else 'no':<9}  {what}"
+        )
+    return rows
+
+
+def _match(found: list, kind: str, buckets: list, elements: list[int]) -> dict:
+    """Which collectives of `kind` carry a bucket: id(collective) -> its planned bucket, matched by element count
+    (`elements[i]`, padded under zero1: for a reduce-scatter, its result's elements times the group)."""
+    unused = list(zip(buckets, elements, strict=True))
     out = {}
     for a in found:
-        if len(a.shapes) != 1:
+        if a.kind != kind or len(a.shapes) != 1:
             continue
-        match = next((b for b in unused if b.elements == _elements(a.shapes[0])), None)
+        count = a.bytes // _DTYPE_BYTES[a.shapes[0].split("[")[0]]
+        match = next((pair for pair in unused if pair[1] == count), None)
         if match is not None:
             unused.remove(match)
-            out[id(a)] = match
+            out[id(a)] = match[0]
     return out
-
-
-def _elements(shape: str) -> int:
-    dims = shape[shape.index("[") + 1 : -1]
-    return math.prod(int(d) for d in dims.split(",") if d)

@@ -245,6 +245,7 @@ class Loop:
             record = {"step": step, "config": json.loads(json.dumps(s.cfg.to_dict()))}
             record["data"] = {"seed": self.t.seed, "step": step}
             record["rng"] = "none: the train step draws no random numbers; data order derives from (train.seed, step)"
+            record["optimizer_layout"] = parallel.OptLayout.of(s.cfg.parallel.strategy, s.mesh).to_record()
             s.ckpts.save(step, self.state, record)
             self.saved.add(step)
             s.faults.after_save_started(step)

@@ -70,7 +70,8 @@ def shard_batch(local: Batch, mesh: jax.sharding.Mesh, global_batch: int | None 
 @jax.tree_util.register_dataclass
 @dataclass
 class TrainState:
-    """Everything the step updates. Every leaf is replicated: one identical copy per device."""
+    """Everything the step updates. Every leaf is replicated (one identical copy per device), except the optimizer
+    state under zero1 (flat and split over the devices: OptLayout) and dp (on the master device)."""
 
     step: jax.Array
     params: nnx.State  # the model's nnx.Param variables
@@ -78,13 +79,141 @@ class TrainState:
     rest: nnx.State  # any other model variables, carried unchanged
 
 
-def init_state(model: nnx.Module, optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh):
-    """Split the model once; place parameters and optimizer state, replicated, on every device of the mesh."""
+def init_state(
+    model: nnx.Module, optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh, strategy: str = "ddp"
+):
+    """Split the model once; place the parameters, replicated, on every device of the mesh, and the optimizer
+    state as `strategy` keeps it: replicated (ddp), on the master (dp), or split over the devices (zero1)."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     params, rest = jax.device_put((params, rest), replicated(mesh))
-    opt_state = jax.jit(optimizer.init, out_shardings=replicated(mesh))(params)
+    layout = OptLayout.of(strategy, mesh)
+    layout.check(optimizer, params)
+    shapes = layout.shapes(optimizer, params)
+    init = lambda p: optimizer.init(layout.view(p))  # noqa: E731
+    opt_state = jax.jit(init, out_shardings=layout.shardings(shapes, mesh, strategy))(params)
     step = jax.device_put(jnp.zeros((), jnp.int32), replicated(mesh))
     return graphdef, TrainState(step, params, opt_state, rest)
+
+
+@dataclass(frozen=True)
+class OptLayout:
+    """How the optimizer state lies. shards=0: shaped as the parameters (ddp, dp). shards=N (zero1): the optimizer
+    sees each parameter flattened into its last axis, zero-padded to a multiple of N, with its rank kept (a
+    (768, 3072) kernel is seen as (1, 2359296), so masks written as `ndim >= 2` still pick the matrices), and
+    device d holds elements [d*s, (d+1)*s) of that axis in every such leaf of the state (s = padded size / N).
+    Scalars (Adam's count) are replicated.
+
+    The padding is zeros in the gradients and the parameters, so an elementwise optimizer leaves it zero, and it is
+    cut off before a value reaches a parameter. Optimizers whose state is not elementwise (factored ones such as
+    Adafactor) would see other shapes; zero1 refuses them (check). Masks must not depend on sizes or dimensions.
+    """
+
+    shards: int = 0
+
+    @staticmethod
+    def of(strategy: str, mesh: jax.sharding.Mesh) -> OptLayout:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy={strategy!r} must be one of {', '.join(STRATEGIES)}")
+        return OptLayout(mesh.devices.size if strategy == "zero1" else 0)
+
+    @staticmethod
+    def of_record(record: dict) -> OptLayout:
+        """The layout a checkpoint was written in (its JSON record; older records: as the parameters)."""
+        return OptLayout(int(record.get("optimizer_layout", {}).get("shards", 0)))
+
+    def to_record(self) -> dict:
+        return {"shards": self.shards, "what": self.describe()}
+
+    def describe(self) -> str:
+        return f"zero1's slices over {self.shards} devices" if self.shards else "whole copies (ddp, dp)"
+
+    def view(self, params):
+        """The parameters as the optimizer sees them: unchanged, or flat and padded to a multiple of shards."""
+        if not self.shards:
+            return params
+        return jax.tree.map(lambda x: jnp.pad(x.ravel(), (0, -x.size % self.shards)).reshape(self.shape(x)), params)
+
+    def shape(self, x) -> tuple[int, ...]:
+        """A leaf's shape as the optimizer sees it in this layout."""
+        if not self.shards:
+            return x.shape
+        padded = x.size + -x.size % self.shards
+        return (1,) * (x.ndim - 1) + (padded,)
+
+    def shapes(self, optimizer: optax.GradientTransformation, params):
+        """The optimizer state's shapes in this layout (nothing is computed)."""
+        return jax.eval_shape(lambda p: optimizer.init(self.view(p)), _shapes(params))
+
+    def shardings(self, shapes, mesh: jax.sharding.Mesh, strategy: str = "ddp"):
+        """Where each leaf of a state of these shapes lives on `mesh`."""
+        if strategy == "dp":
+            return jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(master_device(mesh)), shapes)
+        n = mesh.devices.size
+        return jax.tree.map(
+            lambda x: (
+                NamedSharding(mesh, split_spec(x.ndim))
+                if self.shards and x.ndim >= 1 and x.shape[-1] % n == 0
+                else replicated(mesh)
+            ),
+            shapes,
+        )
+
+    def check(self, optimizer: optax.GradientTransformation, params) -> None:
+        """Refuse an optimizer whose state is not elementwise: its state would change meaning when flattened."""
+        if not self.shards:
+            return
+        canonical, flat = OptLayout().shapes(optimizer, params), self.shapes(optimizer, params)
+        odd = []
+        if jax.tree.structure(canonical) != jax.tree.structure(flat):
+            odd.append("its state has another structure")
+        else:
+            for (path, c), f in zip(jax.tree_util.tree_leaves_with_path(canonical), jax.tree.leaves(flat), strict=True):
+                if c.shape != f.shape and f.shape != self.shape(c):
+                    odd.append(f"{jax.tree_util.keystr(path)}: {c.shape} as parameters, {f.shape} flat")
+        if odd:
+            raise ValueError(
+                "strategy='zero1' shards the optimizer state elementwise (as AdamW, SGD, Lion keep it), but this "
+                f"optimizer's state depends on the parameters' shapes: {'; '.join(odd[:3])}. Use strategy='ddp'"
+            )
+
+
+STRATEGIES = ("ddp", "zero1", "dp")
+
+
+def split_spec(ndim: int) -> P:
+    """The last axis split over `data` (OptLayout's flat leaves)."""
+    return P(*([None] * (ndim - 1)), AXIS)
+
+
+def _shapes(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def relayout(state: TrainState, optimizer, mesh: jax.sharding.Mesh, strategy: str) -> TrainState:
+    """`state` with its optimizer state (in any layout) moved to the one `strategy` keeps on `mesh`: how a
+    checkpoint of one strategy or device count continues under another. Values are unchanged, only placed anew."""
+    dst = OptLayout.of(strategy, mesh)
+    canonical, target = OptLayout().shapes(optimizer, state.params), dst.shapes(optimizer, state.params)
+
+    def move(x, c, t):
+        return jnp.pad(x.ravel()[: c.size], (0, t.size - c.size)).reshape(t.shape)
+
+    shardings = dst.shardings(target, mesh, strategy)
+    opt_state = jax.jit(lambda o: jax.tree.map(move, o, canonical, target), out_shardings=shardings)(state.opt_state)
+    return dataclasses.replace(state, opt_state=opt_state)
+
+
+def restore_target(state: TrainState, optimizer, mesh: jax.sharding.Mesh, strategy: str, saved: OptLayout):
+    """What to restore a checkpoint written in layout `saved` into: `state` itself (shapes and shardings) when that
+    is today's layout, else the saved shapes with the optimizer state replicated, for relayout to place."""
+    if saved == OptLayout.of(strategy, mesh):
+        return state
+    opt = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated(mesh)),
+        saved.shapes(optimizer, state.params),
+    )
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    return dataclasses.replace(like, opt_state=opt)
 
 
 def _varying(tree):
@@ -170,22 +299,31 @@ def _global_grads(graphdef, loss_fn: LossFn, n_devices: int, grad_accum: int, bu
 
 def _update(optimizer, schedule, state: TrainState, grads, loss, weight):
     """The optimizer step on (globally averaged) gradients: new state and metrics. Shared by ddp and dp."""
+    params, opt_state, metrics = _apply(
+        optimizer, schedule, state.step, state.params, state.opt_state, grads, loss, weight
+    )
+    return TrainState(state.step + 1, params, opt_state, state.rest), metrics
+
+
+def _apply(optimizer, schedule, step, params, opt_state, grads, loss, weight):
+    """optax's update and the skip guard: (new params, new optimizer state, metrics). Under zero1 the arrays are
+    the flat views (OptLayout), split over the devices; the norm is still the whole gradient's."""
     grad_norm = optax.tree.norm(grads)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
     # A non-finite loss or gradient skips the update (as PyTorch's GradScaler does). These values come after
     # the all-reduce, so every replica takes the same decision; the batch still counts as consumed (state.step
     # advances). Known before the update, the choice fuses into it. The new parameters are not checked here:
     # that would cost one more pass over parameters and optimizer state every step (README, Performance); the
     # loop checks them before every checkpoint instead (nonfinite_leaves).
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    params, opt_state = jax.tree.map(
-        lambda new, old: jnp.where(ok, new, old), (params, opt_state), (state.params, state.opt_state)
+    new_params, new_opt_state = jax.tree.map(
+        lambda new, old: jnp.where(ok, new, old), (new_params, new_opt_state), (params, opt_state)
     )
     metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": weight, "skipped": 1 - ok.astype(jnp.int32)}
     if schedule is not None:
-        metrics["lr"] = jnp.asarray(schedule(state.step), jnp.float32)
-    return TrainState(state.step + 1, params, opt_state, state.rest), metrics
+        metrics["lr"] = jnp.asarray(schedule(step), jnp.float32)
+    return new_params, new_opt_state, metrics
 
 
 def make_train_step(
@@ -203,13 +341,17 @@ def make_train_step(
     """The data-parallel step: (state, global batch) -> (new state, metrics), state donated.
 
     strategy="ddp" (jdp's design): every device computes its gradients, they are averaged by all-reduces
-    of about bucket_mb MiB, and every replica applies the identical update. strategy="dp" is PyTorch
-    DataParallel's master pattern, kept as the baseline to measure against (see make_dp_train_step).
+    of about bucket_mb MiB, and every replica applies the identical update. strategy="zero1" splits the
+    optimizer state over the devices (make_zero1_train_step; build the state with init_state(...,
+    strategy="zero1")). strategy="dp" is PyTorch DataParallel's master pattern, kept as the baseline to
+    measure against (see make_dp_train_step).
     """
     if strategy == "dp":
         return make_dp_train_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule)
+    if strategy == "zero1":
+        return make_zero1_train_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, bucket_mb, reduce_dtype)
     if strategy != "ddp":
-        raise ValueError(f"strategy={strategy!r} must be ddp or dp")
+        raise ValueError(f"strategy={strategy!r} must be one of {', '.join(STRATEGIES)}")
     grads_of = _global_grads(graphdef, loss_fn, mesh.devices.size, grad_accum, bucket_mb, reduce_dtype)
 
     def step(state: TrainState, batch: Batch):
@@ -219,6 +361,116 @@ def make_train_step(
 
     sharded = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(), P()))
     return jax.jit(sharded, donate_argnums=0)
+
+
+def _micro_spec(batch: Batch, n_devices: int, grad_accum: int) -> dict:
+    """One device's micro-batch shapes, from a global batch (arrays or shapes)."""
+    return {
+        k: jax.ShapeDtypeStruct((v.shape[0] // n_devices // grad_accum, *v.shape[1:]), v.dtype)
+        for k, v in batch.items()
+    }
+
+
+def _scatter_buckets(grads, buckets: list[Bucket], reduce_dtype: str, n: int):
+    """Sum of the gradients over `data`, each device receiving its slice only: one reduce-scatter per bucket.
+
+    A bucket is laid out as an (n, columns) matrix whose row d holds device d's slice of every gradient in it
+    (each flattened and zero-padded to a multiple of n), so one tiled psum_scatter hands each device its row.
+    Returns, per leaf, this device's slice of the flat padded summed gradient (OptLayout's view, rank kept).
+    """
+    leaves, tree = jax.tree.flatten(grads)
+    out = list(leaves)
+    for bucket in buckets:
+        rows = [jnp.pad(leaves[k].astype(reduce_dtype).ravel(), (0, -leaves[k].size % n)).reshape(n, -1)
+                for k in bucket.leaves]  # fmt: skip
+        mine = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1), AXIS, scatter_dimension=0, tiled=True)[0]
+        offset = 0
+        for k, row in zip(bucket.leaves, rows, strict=True):
+            width = row.shape[1]
+            out[k] = (
+                mine[offset : offset + width]
+                .astype(leaves[k].dtype)
+                .reshape(OptLayout(n).shape(leaves[k])[:-1] + (width,))
+            )
+            offset += width
+    return jax.tree.unflatten(tree, out)
+
+
+def _gather_buckets(slices, like, buckets: list[Bucket], n: int):
+    """Every device's slice of the flat padded parameters -> the full parameters on every device: one all-gather
+    per bucket (the same buckets as the gradients); the padding is cut off here and reaches no parameter."""
+    leaves, tree = jax.tree.flatten(slices)
+    shapes = jax.tree.leaves(like)
+    out = list(leaves)
+    for bucket in buckets:
+        every = jax.lax.all_gather(jnp.concatenate([leaves[k].ravel() for k in bucket.leaves]), AXIS, tiled=False)
+        offset = 0
+        for k in bucket.leaves:
+            width = leaves[k].shape[-1]
+            out[k] = every[:, offset : offset + width].ravel()[: shapes[k].size].reshape(shapes[k].shape)
+            offset += width
+    return jax.tree.unflatten(tree, out)
+
+
+def make_zero1_train_step(
+    graphdef,
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    mesh: jax.sharding.Mesh,
+    grad_accum: int = 1,
+    schedule: optax.Schedule | None = None,
+    bucket_mb: float = 25.0,
+    reduce_dtype: str = "float32",
+):
+    """ZeRO stage 1 (PyTorch's ZeroRedundancyOptimizer, MaxText's shard_optimizer_over_data): each device keeps
+    the optimizer state of 1/N of every parameter.
+
+    Backward is ddp's, buckets included; each bucket is reduce-scattered instead of all-reduced, so a device
+    receives the mean gradient of its slice only. The optimizer update runs on the slices (jit places it where
+    the slices are: optax's global norm for clipping and `grad_norm` still covers the whole gradient, a scalar
+    all-reduce), and the updated slices are all-gathered bucket by bucket, so every device again holds identical
+    full parameters. Reduce-scatter plus all-gather move the same bytes as one all-reduce.
+    """
+    n = mesh.devices.size
+    layout = OptLayout(n)
+    local_sums = _local_sums(graphdef, loss_fn, grad_accum)
+
+    def step(state: TrainState, batch: Batch):
+        expected = layout.shapes(optimizer, state.params)
+        if [x.shape for x in jax.tree.leaves(state.opt_state)] != [x.shape for x in jax.tree.leaves(expected)]:
+            raise ValueError(
+                "the optimizer state is not laid out for zero1 on this mesh: build it with "
+                "init_state(model, optimizer, mesh, strategy='zero1') (or move it with relayout)"
+            )
+        buckets = bucket_plan(graphdef, loss_fn, state.params, state.rest, _micro_spec(batch, n, grad_accum),
+                              bucket_mb, reduce_dtype)  # fmt: skip
+
+        def grads_of(params, rest, batch):
+            grads_sum, loss_sum, weight_sum = local_sums(params, rest, batch)
+            loss_total, weight = jax.lax.psum(jnp.stack([loss_sum, weight_sum]), AXIS)
+            # The reduce-scatter sums over devices; dividing by the global token weight gives exactly the
+            # gradient of the global token-weighted mean loss, as ddp's pmean times n / weight does.
+            scale = jnp.where(weight > 0, 1.0 / weight, 0.0)
+            mine = jax.tree.map(lambda g: g * scale, _scatter_buckets(grads_sum, buckets, reduce_dtype, n))
+            return mine, loss_total / weight, weight
+
+        specs = jax.tree.map(lambda x: split_spec(max(x.ndim, 1)), state.params)
+        scatter = jax.shard_map(grads_of, mesh=mesh, in_specs=(P(), P(), P(AXIS)), out_specs=(specs, P(), P()))
+        grads, loss, weight = scatter(state.params, state.rest, batch)
+        split = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+        params = jax.lax.with_sharding_constraint(layout.view(state.params), split)  # each device's own slice
+        params, opt_state, metrics = _apply(
+            optimizer, schedule, state.step, params, state.opt_state, grads, loss, weight
+        )
+        opt_state = jax.lax.with_sharding_constraint(opt_state, layout.shardings(expected, mesh))  # stays split
+        # check_vma=False: all_gather's result is typed per-device, but every device holds the same values.
+        gather = jax.shard_map(
+            lambda p: _gather_buckets(p, state.params, buckets, n),
+            mesh=mesh, in_specs=(specs,), out_specs=P(), check_vma=False,
+        )  # fmt: skip
+        return TrainState(state.step + 1, gather(params), opt_state, state.rest), metrics
+
+    return jax.jit(step, donate_argnums=0)
 
 
 def master_device(mesh: jax.sharding.Mesh):
@@ -269,7 +521,8 @@ def make_dp_train_step(
 
 
 def for_strategy(state: TrainState, strategy: str, mesh: jax.sharding.Mesh) -> TrainState:
-    """dp keeps the optimizer state on the master device only; ddp keeps a replica of everything."""
+    """dp keeps the optimizer state on the master device only; ddp keeps a replica of everything. (For zero1,
+    build the state with init_state(..., strategy="zero1"), whose optimizer state has another shape.)"""
     if strategy != "dp":
         return state
     return dataclasses.replace(

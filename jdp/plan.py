@@ -11,6 +11,11 @@ grows with N):
     all-reduce = sum over buckets of  2 (N-1)/N x bucket bytes / bus bandwidth  +  a fixed latency per bucket
     exposed   = the part of the all-reduce backward cannot hide (see exposed_comm_s)
     step      = compute + exposed;   efficiency(N) = tokens/s(N) / (N x tokens/s(1)) = compute / step
+
+parallel.strategy=zero1 moves the same bytes as two halves: a reduce-scatter per bucket ((N-1)/N x bucket
+bytes, hidden behind backward as the all-reduces are) and an all-gather per bucket of the updated parameters
+((N-1)/N x their bytes), which cannot start before the whole gradient's norm is known (clipping, the skip
+guard), so all of it shows. In exchange each device holds 1/N of the optimizer state.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from jdp.hardware import DEFAULT_MFU, gpu_spec, link_for
 from jdp.metrics import flops_per_token, read_metrics
 from jdp.model import GPT, attention_scores, lm_loss
 from jdp.optim import make_optimizer
+from jdp.parallel import OptLayout
 from jdp.rundir import RunDir
 
 COMPUTE_BOUND = 0.05  # "compute-bound": the exposed all-reduce is at most 5% of the step
@@ -53,6 +59,18 @@ def abstract_state(cfg: Config):
 
 def tree_bytes(tree) -> int:
     return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def opt_bytes_per_device(cfg: Config, strategy: str, n: int) -> int:
+    """The optimizer state one device holds: all of it (ddp), or its slice of every leaf plus the scalars
+    (zero1, with the padding to a multiple of n; exactly what parallel.OptLayout places)."""
+    _, params, _, opt_state = abstract_state(cfg)
+    if strategy != "zero1":
+        return tree_bytes(opt_state)
+    optimizer, _ = make_optimizer(cfg.optim, cfg.train.steps)
+    shapes = OptLayout(n).shapes(optimizer, params)
+    split = [x for x in jax.tree.leaves(shapes) if x.ndim >= 1 and x.shape[-1] % n == 0]
+    return tree_bytes(shapes) - tree_bytes(split) + tree_bytes(split) // n
 
 
 def activation_bytes(cfg: Config, micro_batch: int, fused_attention: bool) -> int:
@@ -158,6 +176,8 @@ class Planner:
     bucket_bytes: tuple[int, ...]  # in the reduce dtype, in the order backward finishes them
     interconnect: str | None = None
     bandwidth_gbs: float | None = None
+    strategy: str = "ddp"  # or zero1
+    gather_bytes: tuple[int, ...] = ()  # zero1: the same buckets of parameters, in their dtype
 
     def step(self, n: int, per_device_batch: int) -> Step:
         cfg = self.cfg
@@ -166,8 +186,16 @@ class Planner:
         backward_s = compute_s * 2 / 3  # backward does twice forward's FLOPs
         link, busbw, latency = link_for(gpu_spec(self.gpu), n, self.interconnect, self.bandwidth_gbs)
         latency = latency if n > 1 else 0.0
-        bucket_s = [ring_allreduce_s(b, n, busbw) + latency for b in self.bucket_bytes] if n > 1 else []
-        exposed = exposed_comm_s(bucket_s, backward_s, overlap=cfg.train.grad_accum == 1)
+        if self.strategy == "zero1":  # half an all-reduce each way (see the module's docstring)
+            bucket_s = [ring_allreduce_s(b, n, busbw) / 2 + latency for b in self.bucket_bytes] if n > 1 else []
+            gather_s = [ring_allreduce_s(b, n, busbw) / 2 + latency for b in self.gather_bytes] if n > 1 else []
+            comm_s = (
+                ring_allreduce_s(sum(self.bucket_bytes), n, busbw) + ring_allreduce_s(sum(self.gather_bytes), n, busbw)
+            ) / 2
+        else:
+            bucket_s = [ring_allreduce_s(b, n, busbw) + latency for b in self.bucket_bytes] if n > 1 else []
+            gather_s, comm_s = [], ring_allreduce_s(sum(self.bucket_bytes), n, busbw)
+        exposed = exposed_comm_s(bucket_s, backward_s, overlap=cfg.train.grad_accum == 1) + sum(gather_s)
         step_s = compute_s + exposed
         return Step(
             devices=n,
@@ -175,8 +203,8 @@ class Planner:
             busbw_gbs=busbw / 1e9 if n > 1 else 0.0,
             per_device_batch=per_device_batch,
             compute_s=compute_s,
-            allreduce_s=ring_allreduce_s(sum(self.bucket_bytes), n, busbw),
-            latency_s=latency * len(bucket_s),
+            allreduce_s=comm_s,
+            latency_s=latency * (len(bucket_s) + len(gather_s)),
             exposed_s=exposed,
             step_s=step_s,
             tokens_per_s=n * tokens / step_s,
@@ -205,6 +233,18 @@ class Planner:
 
 
 @dataclass(frozen=True)
+class Choice:
+    """One strategy at the requested N: what a device holds and how long a step takes."""
+
+    strategy: str
+    opt_state: int  # bytes per device
+    memory_total: int  # bytes per device
+    exposed_s: float
+    step_s: float
+    tokens_per_s: float
+
+
+@dataclass(frozen=True)
 class Plan:
     config: str
     gpu: str
@@ -218,6 +258,8 @@ class Plan:
     step: Step  # at the requested device count
     scaling: tuple[Step, ...]  # N = 1, 2, 4, ..., 1024 at the same per-device batch
     interconnect_note: str
+    strategy: str = "ddp"
+    strategies: tuple[Choice, ...] = ()  # ddp and zero1 side by side at the requested N
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -252,8 +294,8 @@ def make_planner(
     mfu: float = DEFAULT_MFU,
 ) -> Planner:
     """The planner for a config on a GPU; traces the model once (shapes only) for the gradient buckets."""
-    if cfg.parallel.strategy != "ddp":
-        raise ConfigError("jdp plan models parallel.strategy=ddp (dp gathers to a master instead)")
+    if cfg.parallel.strategy not in ("ddp", "zero1"):
+        raise ConfigError("jdp plan models parallel.strategy=ddp and zero1 (dp gathers to a master instead)")
     peak = gpu_spec(gpu).peak_flops(cfg.model.dtype)
     link_for(gpu_spec(gpu), 2, interconnect, bandwidth_gbs)  # an unknown interconnect fails here, up front
     if bandwidth_gbs is not None and not bandwidth_gbs > 0:
@@ -278,6 +320,8 @@ def make_planner(
         bucket_bytes=tuple(b.nbytes for b in buckets),
         interconnect=interconnect,
         bandwidth_gbs=bandwidth_gbs,
+        strategy=cfg.parallel.strategy,
+        gather_bytes=tuple(b.elements * jnp.dtype(cfg.model.param_dtype).itemsize for b in buckets),
     )
 
 
@@ -312,10 +356,16 @@ def make_plan(
         params=planner.param_bytes,
         grads=planner.param_bytes,  # one gradient per parameter, in the parameter's dtype
         accumulator=planner.param_bytes if cfg.train.grad_accum > 1 else 0,
-        opt_state=planner.opt_bytes,
+        opt_state=opt_bytes_per_device(cfg, cfg.parallel.strategy, devices),
         activations=activation_bytes(cfg, derived.micro_batch, fused),
     )
     b = derived.per_device_batch
+    choices = []
+    for strategy in ("ddp", "zero1"):
+        opt = opt_bytes_per_device(cfg, strategy, devices)
+        s = dataclasses.replace(planner, strategy=strategy).step(devices, b)
+        total = memory.total - memory.opt_state + opt
+        choices.append(Choice(strategy, opt, total, s.exposed_s, s.step_s, s.tokens_per_s))
 
     def with_bound(n: int) -> Step:
         return dataclasses.replace(planner.step(n, b), compute_bound_batch=planner.compute_bound_batch(n))
@@ -338,6 +388,8 @@ def make_plan(
         step=with_bound(devices),
         scaling=tuple(with_bound(n) for n in ns),
         interconnect_note=note,
+        strategy=cfg.parallel.strategy,
+        strategies=tuple(choices),
     )
 
 
@@ -373,8 +425,9 @@ def format_plan(plan: Plan, cfg: Config) -> str:
         lines.append(
             f"  grad accumulator  {pdtype:<9} {_size(m.accumulator):>10}   train.grad_accum={ga}: the running sum"
         )
+    split = f"; zero1: this device's 1/{plan.devices}" if plan.strategy == "zero1" else ""
     lines += [
-        f"  optimizer state   {cfg.optim.name:<9} {_size(m.opt_state):>10}   exact, from optimizer.init's shapes",
+        f"  optimizer state   {cfg.optim.name:<9} {_size(m.opt_state):>10}   exact, from optimizer.init's shapes{split}",
         f"  activations       {cfg.model.dtype:<9} {_size(m.activations):>10}   estimate for one micro-batch of "
         f"{micro} x {L} tokens, {attention}",
         f"  total                       {_size(m.total):>10}   {fit_note(m.total, plan.gpu)}",
@@ -384,27 +437,12 @@ def format_plan(plan: Plan, cfg: Config) -> str:
         f"{s.per_device_batch * L:,} tokens at {plan.mfu:.1%} of {gpu.peak_flops(cfg.model.dtype) / 1e12:g} "
         f"TFLOP/s ({cfg.model.dtype})",
     ]
-    p = cfg.parallel
-    if plan.devices > 1:
-        grad_bytes = plan.n_params * jnp.dtype(p.reduce_dtype).itemsize
-        n = plan.devices
-        lines.append(
-            f"  all-reduce  {_ms(s.comm_s):>9} ms   ring: 2({n}-1)/{n} x {_size(grad_bytes)} of {p.reduce_dtype} "
-            f"gradients / {s.busbw_gbs:g} GB/s ({s.link}) = {_ms(s.allreduce_s)} ms, + {_ms(s.latency_s)} ms "
-            f"latency of {len(plan.bucket_bytes)} bucket(s) (parallel.bucket_mb={p.bucket_mb:g})"
-        )
-        how = (
-            "the last bucket, or what does not fit inside backward (2/3 of compute)"
-            if ga == 1
-            else f"all of it: with train.grad_accum={ga} jdp reduces after the accumulation loop"
-        )
-        lines.append(f"  exposed     {_ms(s.exposed_s):>9} ms   {how}")
-    else:
-        lines.append(f"  all-reduce  {_ms(0):>9} ms   one device: nothing to reduce")
+    lines += _communication_lines(plan, cfg)
     lines += [
         f"  step        {_ms(s.step_s):>9} ms   {s.tokens_per_s:,.0f} tokens/s, scaling efficiency {s.efficiency:.1%}",
         "",
     ]
+    lines += _strategy_lines(plan)
     if s.compute_bound_batch is not None:
         b = s.compute_bound_batch
         act = activation_bytes(cfg, b // ga, plan.fused_attention)
@@ -419,6 +457,53 @@ def format_plan(plan: Plan, cfg: Config) -> str:
         _table(plan.scaling, plan.devices),
     ]
     return "\n".join(lines)
+
+
+def _communication_lines(plan: Plan, cfg: Config) -> list[str]:
+    """The step's communication: what travels, its ring time, and what of it shows."""
+    s, ga, p, n, out = plan.step, cfg.train.grad_accum, cfg.parallel, plan.devices, []
+    grad_bytes = plan.n_params * jnp.dtype(p.reduce_dtype).itemsize
+    if n > 1 and plan.strategy == "zero1":
+        param_bytes = plan.n_params * jnp.dtype(cfg.model.param_dtype).itemsize
+        out.append(
+            f"  collectives {_ms(s.comm_s):>9} ms   ring: ({n}-1)/{n} x ({_size(grad_bytes)} of {p.reduce_dtype} gradients "
+            f"reduce-scattered + {_size(param_bytes)} of parameters all-gathered) / {s.busbw_gbs:g} GB/s ({s.link}) = "
+            f"{_ms(s.allreduce_s)} ms, + {_ms(s.latency_s)} ms latency of 2 x {len(plan.bucket_bytes)} bucket(s)"
+        )
+        out.append(
+            f"  exposed     {_ms(s.exposed_s):>9} ms   the reduce-scatters backward cannot hide, and every all-gather "
+            f"(they wait for the whole gradient's norm)"
+        )
+    elif n > 1:
+        out.append(
+            f"  all-reduce  {_ms(s.comm_s):>9} ms   ring: 2({n}-1)/{n} x {_size(grad_bytes)} of {p.reduce_dtype} "
+            f"gradients / {s.busbw_gbs:g} GB/s ({s.link}) = {_ms(s.allreduce_s)} ms, + {_ms(s.latency_s)} ms "
+            f"latency of {len(plan.bucket_bytes)} bucket(s) (parallel.bucket_mb={p.bucket_mb:g})"
+        )
+        how = (
+            "the last bucket, or what does not fit inside backward (2/3 of compute)"
+            if ga == 1
+            else f"all of it: with train.grad_accum={ga} jdp reduces after the accumulation loop"
+        )
+        out.append(f"  exposed     {_ms(s.exposed_s):>9} ms   {how}")
+    else:
+        out.append(f"  all-reduce  {_ms(0):>9} ms   one device: nothing to reduce")
+    return out
+
+
+def _strategy_lines(plan: Plan) -> list[str]:
+    """ddp and zero1 side by side at the requested N (nothing for one device)."""
+    if plan.devices == 1:
+        return []
+    out = [f"parallel.strategy side by side on {plan.devices} x {plan.gpu} (memory per device):"]
+    for c in plan.strategies:
+        mark = "*" if c.strategy == plan.strategy else " "
+        out.append(
+            f"  {c.strategy + mark:<7} optimizer state {_size(c.opt_state):>10}  total {_size(c.memory_total):>10}  "
+            f"exposed {_ms(c.exposed_s):>8} ms  step {_ms(c.step_s):>9} ms  {c.tokens_per_s:>14,.0f} tokens/s  "
+            f"{fit_note(c.memory_total, plan.gpu)}"
+        )
+    return [*out, ""]
 
 
 def _table(steps, mark: int | None = None) -> str:

@@ -97,7 +97,7 @@ def setup(cfg: Config, world: World, phases: Phases) -> Setup:
             cfg.data, cfg.model.vocab_size, t.batch_size, t.seed, rows, jax.process_index(), jax.process_count()
         )
     with phases("building the model and compiling"):
-        graphdef, state, train_step, n_params = build(cfg, mesh)
+        graphdef, state, train_step, n_params, optimizer = build(cfg, mesh)
         eval_step = parallel.make_eval_step(graphdef, lm_loss, mesh)
     with phases("looking for checkpoints"):
         if not t.resume and is_main and (archived := run_dir.archive()):
@@ -105,9 +105,18 @@ def setup(cfg: Config, world: World, phases: Phases) -> Setup:
         multihost_utils.sync_global_devices("jdp: run directory ready")
         ckpts = Checkpoints(run_dir.path, t.ckpt_keep)
         start, resumed_from = 0, None
-        if t.resume and (restored := ckpts.restore_latest(state, lambda record: check_resumable(record, cfg))):
-            start, state, _ = restored
+        layout = parallel.OptLayout.of(cfg.parallel.strategy, mesh)
+
+        def target(record):  # the checkpoint's optimizer state may be laid out for another strategy or device count
+            return parallel.restore_target(state, optimizer, mesh, cfg.parallel.strategy, layout.of_record(record))
+
+        if t.resume and (restored := ckpts.restore_latest(state, lambda r: check_resumable(r, cfg), target)):
+            start, state, record = restored
             resumed_from = start
+            if (saved := layout.of_record(record)) != layout:
+                state = parallel.relayout(state, optimizer, mesh, cfg.parallel.strategy)
+                if is_main:
+                    print(f"jdp | optimizer state moved from {saved.describe()} to {layout.describe()}")
             if cfg.data.streaming:
                 data.train.load_state_dict(json.loads(run_dir.data_state(start, jax.process_index()).read_text()))
         lost = lost_steps(run_dir.metrics, start) if resumed_from is not None else 0

@@ -253,23 +253,29 @@ def tolerate_broken_pipes() -> None:
             setattr(sys, name, _Unbreakable(stream))
 
 
-def collective_flags(bucket_mb: float) -> dict[str, str]:
-    """The XLA options jdp wants for its gradient all-reduces (see set_xla_flags)."""
+def collective_flags(bucket_mb: float, strategy: str = "ddp") -> dict[str, str]:
+    """The XLA options jdp wants for its gradient collectives (see set_xla_flags)."""
     threshold = int(bucket_mb * 2**20) if bucket_mb > 0 else 2**40
-    return {
+    flags = {
         # GPUs: collectives already run asynchronously by default in this XLA; the latency-hiding scheduler
         # moves each bucket's all-reduce-start as early as its gradients exist, so it overlaps the rest of
         # backward, and a dedicated high-priority stream keeps it from queueing behind compute kernels.
         "xla_gpu_enable_latency_hiding_scheduler": "true",
         "xla_gpu_enable_highest_priority_async_stream": "true",
-        # XLA merges neighbouring all-reduces up to this size: the bucket size, so it keeps jdp's buckets.
+        # XLA merges neighbouring collectives up to this size: the bucket size, so it keeps jdp's buckets (zero1's
+        # reduce-scatters and all-gathers too), and merges the small all-reduces (loss, norms) into one.
         "xla_gpu_all_reduce_combine_threshold_bytes": str(threshold),
-        # CPU: XLA would merge every all-reduce of the step into one; keep the buckets as planned.
-        "xla_disable_hlo_passes": "cpu-all-reduce-combiner",
+        "xla_gpu_reduce_scatter_combine_threshold_bytes": str(threshold),
+        "xla_gpu_all_gather_combine_threshold_bytes": str(threshold),
     }
+    if strategy != "zero1":
+        # CPU: XLA would merge every all-reduce of the step into one; keep the buckets as planned. zero1's only
+        # all-reduces are scalars (a gradient norm's partial sum per parameter): merged, they are one round trip.
+        flags["xla_disable_hlo_passes"] = "cpu-all-reduce-combiner"
+    return flags
 
 
-def set_xla_flags(bucket_mb: float = 25.0, environ: dict | None = None) -> list[str]:
+def set_xla_flags(bucket_mb: float = 25.0, environ: dict | None = None, strategy: str = "ddp") -> list[str]:
     """Add jdp's collective options to XLA_FLAGS where the user has not set them; returns the ones added.
 
     XLA reads XLA_FLAGS once, when JAX first touches a device: call this before that (`jdp train` does).
@@ -279,7 +285,7 @@ def set_xla_flags(bucket_mb: float = 25.0, environ: dict | None = None) -> list[
     environ = os.environ if environ is None else environ
     current = environ.get("XLA_FLAGS", "")
     present = set(re.findall(r"--([\w]+)", current))
-    wanted = collective_flags(bucket_mb)
+    wanted = collective_flags(bucket_mb, strategy)
     added = [f"--{k}={v}" for k, v in wanted.items() if k not in present]
     if added:
         environ["XLA_FLAGS"] = " ".join([current, *added]).strip()

@@ -13,6 +13,8 @@ alternating in rounds, so the machine's background load hits both sides alike:
                     (gloo on CPU, NCCL on GPUs).
   ddp_vs_dp         step time of parallel.strategy=dp over that of ddp, at 1, 2, 4 and 8 devices (> 1: DDP is
                     faster). On a CPU the devices are simulated and share the same cores.
+  zero1_vs_ddp      step time of parallel.strategy=zero1 over that of ddp (< 1: zero1 is faster), on 4 devices of
+                    one process and on 2 processes (`jdp launch`), with the optimizer bytes one device holds.
   loader_vs_step    the loader's tokens/s over the tokens/s one training step consumes.
   mfu               achieved model FLOP/s over the peak: the measured matmul rate on a CPU, the datasheet on a GPU.
 
@@ -56,7 +58,9 @@ def _setup(config: str, overrides: list[str]):
     from jdp.config import load_config
 
     cfg = load_config(config, ["train.run_dir=/dev/null", "train.progress=false", *overrides])
-    jobs.set_xla_flags(cfg.parallel.bucket_mb)  # as `jdp train` does, before jax touches a device
+    jobs.set_xla_flags(
+        cfg.parallel.bucket_mb, strategy=cfg.parallel.strategy
+    )  # as `jdp train` does, before jax touches a device
     os.environ["JDP_BENCH_KEPT_SCRATCH"] = str(jobs.keep_scratch_memory())
     return cfg
 
@@ -83,7 +87,7 @@ def measure_single(config: str, overrides: list[str], rounds: int, steps: int) -
     tokens_per_step = t.batch_size * cfg.data.seq_len
 
     # jdp: exactly the objects and per-step host work of jdp.train's loop.
-    _, state, train_step, _ = build(cfg, mesh)
+    _, state, train_step, _, _ = build(cfg, mesh)
     loader = Prefetcher(data.local_batch, 0, 10**9, cfg.data.prefetch)
     batches = iter(loader)
     pending = [None]
@@ -162,7 +166,17 @@ def measure_single(config: str, overrides: list[str], rounds: int, steps: int) -
 
 
 def measure_ddp_dp(config: str, overrides: list[str], rounds: int, steps: int) -> dict:
-    """Step time of ddp and dp on every device of this process, alternating."""
+    r = measure_strategies(config, overrides, rounds, steps, ("ddp", "dp"))
+    return {**r, "ddp_vs_dp": r["dp_step_s"] / r["ddp_step_s"]}
+
+
+def measure_zero1(config: str, overrides: list[str], rounds: int, steps: int) -> dict:
+    r = measure_strategies(config, overrides, rounds, steps, ("ddp", "zero1"))
+    return {**r, "zero1_vs_ddp": r["zero1_step_s"] / r["ddp_step_s"]}
+
+
+def measure_strategies(config: str, overrides: list[str], rounds: int, steps: int, strategies: tuple) -> dict:
+    """Step time of each strategy on every device of this process, alternating; optimizer bytes on one device."""
     cfg = _setup(config, overrides)
     import dataclasses
 
@@ -182,14 +196,17 @@ def measure_ddp_dp(config: str, overrides: list[str], rounds: int, steps: int) -
         "weights": np.ones(shape, np.float32),
     }
     batch = parallel.shard_batch(local, mesh, t.batch_size)
-    runs = {}
-    for strategy in ("ddp", "dp"):
+    runs, opt_bytes = {}, {}
+    first = mesh.devices.flat[0]
+    for strategy in strategies:
         c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, strategy=strategy))
-        _, state, step, _ = build(c, mesh)
+        _, state, step, _, _ = build(c, mesh)
         state, m = step(state, batch)
         jax.block_until_ready(m)
         runs[strategy] = [state, step]
-    times = {"ddp": [], "dp": []}
+        shards = [s for x in jax.tree.leaves(state.opt_state) for s in x.addressable_shards if s.device == first]
+        opt_bytes[strategy] = sum(s.data.nbytes for s in shards)
+    times = {s: [] for s in strategies}
     for _ in range(rounds):
         for strategy, run in runs.items():
             start = time.perf_counter()
@@ -197,8 +214,11 @@ def measure_ddp_dp(config: str, overrides: list[str], rounds: int, steps: int) -
                 run[0], m = run[1](run[0], batch)
             jax.block_until_ready(m)
             times[strategy].append((time.perf_counter() - start) / steps)
-    ddp, dp = statistics.median(times["ddp"]), statistics.median(times["dp"])
-    return {"devices": mesh.devices.size, "ddp_step_s": ddp, "dp_step_s": dp, "ddp_vs_dp": dp / ddp}
+    out = {"devices": mesh.devices.size}
+    for s in strategies:
+        out[f"{s}_step_s"] = statistics.median(times[s])
+        out[f"{s}_opt_bytes_per_device"] = opt_bytes[s]
+    return out
 
 
 # ---------------------------------------------------------------- jdp against PyTorch DDP, both as launched jobs
@@ -246,7 +266,7 @@ def main() -> int:
     ap.add_argument("overrides", nargs="*", help="section.key=value for the config")
     a = ap.parse_args()
     if a.child:
-        fn = {"single": measure_single, "ddp_dp": measure_ddp_dp}[a.child]
+        fn = {"single": measure_single, "ddp_dp": measure_ddp_dp, "zero1": measure_zero1}[a.child]
         print(json.dumps(fn(a.config, a.overrides, a.rounds, a.steps)))
         return 0
     if not a.out:
@@ -277,6 +297,23 @@ def main() -> int:
         ddp_dp[str(n)] = child("ddp_dp", 0 if gpu else n, args)
     results["ddp_vs_dp"] = {n: r["ddp_vs_dp"] for n, r in ddp_dp.items()}
     results["ddp_vs_dp_detail"] = ddp_dp
+
+    n = min(4, _gpu_count()) if gpu else 4
+    print(f"[bench] zero1 vs ddp on {n} device(s) of one process, then on 2 processes", flush=True)
+    args = ["--config", a.config, "--rounds", str(a.rounds), "--steps", str(a.steps), *a.overrides]
+    zero1 = child("zero1", 0 if gpu else n, args)
+    steps = max(20, 4 * a.steps)
+    launched = {"ddp": [], "zero1": []}
+    for _ in range(2):
+        for strategy in launched:
+            extra = [*a.overrides, f"parallel.strategy={strategy}"]
+            launched[strategy].append(jdp_launch_tps(a.config, extra, 2, steps, out, gpu))
+    zero1["processes_tokens_per_s"] = launched
+    results["zero1_vs_ddp"] = {
+        f"{n}_devices": zero1["zero1_vs_ddp"],
+        "2_processes": statistics.median(launched["ddp"]) / statistics.median(launched["zero1"]),
+    }
+    results["zero1_vs_ddp_detail"] = zero1
 
     if not a.skip_torch:
         from jdp.config import load_config
@@ -330,6 +367,25 @@ def table(r: dict) -> str:
                 f"ddp_vs_dp ({n} dev)",
                 f"{v:.3f}",
                 f"ddp {d['ddp_step_s'] * 1e3:.0f} ms, dp {d['dp_step_s'] * 1e3:.0f} ms",
+            )
+        )
+    if "zero1_vs_ddp" in r:
+        z = r["zero1_vs_ddp_detail"]
+        n = z["devices"]
+        rows.append(
+            (
+                f"zero1_vs_ddp ({n} dev)",
+                f"{r['zero1_vs_ddp'][f'{n}_devices']:.3f}",
+                f"zero1 {z['zero1_step_s'] * 1e3:.0f} ms, ddp {z['ddp_step_s'] * 1e3:.0f} ms; optimizer state per device "
+                f"{z['zero1_opt_bytes_per_device'] / 1e6:.2f} MB against {z['ddp_opt_bytes_per_device'] / 1e6:.2f} MB",
+            )
+        )
+        t = z["processes_tokens_per_s"]
+        rows.append(
+            (
+                "zero1_vs_ddp (2 proc)",
+                f"{r['zero1_vs_ddp']['2_processes']:.3f}",
+                f"zero1 {statistics.median(t['zero1']):,.0f}, ddp {statistics.median(t['ddp']):,.0f} tokens/s",
             )
         )
     if "jdp_vs_torch_ddp" in r:

@@ -24,7 +24,7 @@ def main() -> None:
     a = ap.parse_args()
     config, overrides = split_config_args(a.args)
     cfg = load_config(config, ["train.run_dir=/dev/null", *overrides])
-    jobs.set_xla_flags(cfg.parallel.bucket_mb)
+    jobs.set_xla_flags(cfg.parallel.bucket_mb, strategy=cfg.parallel.strategy)
     jobs.keep_scratch_memory()
 
     import jax
@@ -34,7 +34,7 @@ def main() -> None:
     from jdp.build import build
 
     mesh = parallel.make_mesh()
-    _, state, step, _ = build(cfg, mesh)
+    _, state, step, _, _ = build(cfg, mesh)
     rng = np.random.default_rng(0)
     shape = (cfg.train.batch_size, cfg.data.seq_len)
     local = {

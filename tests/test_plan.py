@@ -1,6 +1,7 @@
 """jdp plan: exact state bytes, the activation estimate against the compiled step, the ring formula, scaling."""
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -79,7 +80,7 @@ def test_activation_estimate_matches_the_compiled_step(overrides):
     it), plus the gradient accumulator with train.grad_accum > 1."""
     cfg = load_config("tiny", overrides)
     mesh = parallel.make_mesh(jax.devices()[:1])
-    _, state, train_step, _ = build(cfg, mesh)
+    _, state, train_step, _, _ = build(cfg, mesh)
     temp = train_step.lower(state, batch_spec(cfg, mesh)).compile().memory_analysis().temp_size_in_bytes
     accumulator = sum(x.nbytes for x in jax.tree.leaves(state.params)) if cfg.train.grad_accum > 1 else 0
     micro = cfg.train.batch_size // cfg.train.grad_accum
@@ -115,6 +116,37 @@ def test_communication_is_the_ring_formula(reduce_dtype):
         one = p.step(1, 8)
         assert one.allreduce_s == one.latency_s == one.exposed_s == 0
         assert one.step_s == one.compute_s
+
+
+def test_zero1_holds_one_nth_of_the_optimizer_state_and_moves_the_same_bytes():
+    cfg = load_config("gpt2-small", ["parallel.strategy=zero1"])
+    n = 8
+    whole = plan.opt_bytes_per_device(cfg, "ddp", n)
+    mine = plan.opt_bytes_per_device(cfg, "zero1", n)
+    _, params, _, _ = plan.abstract_state(cfg)
+    padding = 2 * 4 * sum(-x.size % n for x in jax.tree.leaves(params))  # AdamW's two float32 moments
+    assert (whole - 8) / n <= mine <= (whole - 8 + padding) / n + 8  # the two step counts stay whole
+    # Against the live arrays: what init_state places on one device of a real mesh, for a small model.
+    tiny = load_config("tiny", [*TINY, "parallel.strategy=zero1"])
+    mesh = parallel.make_mesh()
+    _, state = parallel.init_state(GPT(tiny.model, nnx.Rngs(0)), make_optimizer(tiny.optim, 10)[0], mesh, "zero1")
+    first = jax.devices()[0]
+    on_first = sum(s.data.nbytes for x in jax.tree.leaves(state.opt_state) for s in x.addressable_shards if s.device == first)  # fmt: skip
+    assert plan.opt_bytes_per_device(tiny, "zero1", mesh.devices.size) == on_first
+
+    zero1 = plan.make_planner(cfg, bandwidth_gbs=50.0)
+    ddp = dataclasses.replace(zero1, strategy="ddp")
+    grad_bytes = sum(zero1.bucket_bytes)
+    for m in (2, 8, 64):
+        a, b = zero1.step(m, 64), ddp.step(m, 64)
+        assert math.isclose(a.allreduce_s, b.allreduce_s, rel_tol=1e-12)  # reduce-scatter + all-gather = all-reduce
+        assert math.isclose(a.allreduce_s, 2 * (m - 1) / m * grad_bytes / 50e9, rel_tol=1e-12)
+        assert a.exposed_s >= (m - 1) / m * grad_bytes / 50e9  # the all-gathers are never hidden
+    plan_8 = plan.make_plan(cfg, n)
+    assert plan_8.memory.opt_state == mine
+    by = {c.strategy: c for c in plan_8.strategies}
+    assert by["ddp"].memory_total - by["zero1"].memory_total == whole - mine
+    assert "zero1*" in plan.format_plan(plan_8, cfg)
 
 
 def test_the_ring_crosses_the_network_beyond_one_node():

@@ -120,12 +120,17 @@ def test_xla_flags_added_only_where_the_user_has_not_set_them():
     env = {"XLA_FLAGS": "--xla_gpu_all_reduce_combine_threshold_bytes=123 --xla_force_host_platform_device_count=2"}
     added = set_xla_flags(bucket_mb=25, environ=env)
     assert "--xla_gpu_all_reduce_combine_threshold_bytes=123" in env["XLA_FLAGS"]
-    assert not any("combine_threshold" in a for a in added)
+    assert not any("all_reduce_combine_threshold" in a for a in added)
+    assert f"--xla_gpu_reduce_scatter_combine_threshold_bytes={25 * 2**20}" in added
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in added
     assert set_xla_flags(bucket_mb=25, environ=env) == []  # idempotent
     env = {}
     set_xla_flags(bucket_mb=4, environ=env)
     assert f"--xla_gpu_all_reduce_combine_threshold_bytes={4 * 2**20}" in env["XLA_FLAGS"]
+    assert "cpu-all-reduce-combiner" in env["XLA_FLAGS"]  # ddp's buckets stay apart on CPUs
+    zero1 = {}
+    set_xla_flags(bucket_mb=4, environ=zero1, strategy="zero1")  # its only all-reduces are scalars: merge them
+    assert "cpu-all-reduce-combiner" not in zero1["XLA_FLAGS"] and "all_gather_combine" in zero1["XLA_FLAGS"]
 
 
 def test_allreduce_command_reports_buckets_summing_to_parameter_bytes(tmp_path):
