@@ -26,9 +26,12 @@ class Built(NamedTuple):
     optimizer: optax.GradientTransformation
 
 
-def build(cfg: Config, mesh: jax.sharding.Mesh) -> Built:
-    """The configured model, its initial state (laid out for parallel.strategy) and jitted train step on `mesh`."""
-    model = GPT(cfg.model, nnx.Rngs(cfg.train.seed))
+def build(cfg: Config, mesh: jax.sharding.Mesh, model: GPT | None = None) -> Built:
+    """The configured model, its initial state (laid out for parallel.strategy) and jitted train step on `mesh`.
+
+    `model`: the parameters to start from (an import, jdp.hf.load_model); default a fresh GPT from train.seed.
+    """
+    model = model if model is not None else GPT(cfg.model, nnx.Rngs(cfg.train.seed))
     n_params = count_params(model)
     optimizer, schedule = make_optimizer(cfg.optim, cfg.train.steps)
     graphdef, state = parallel.init_state(model, optimizer, mesh, cfg.parallel.strategy)

@@ -23,19 +23,22 @@ RESUMABLE_CHANGES = {
     "train.steps", "train.log_every", "train.eval_every", "train.progress", "train.run_dir", "train.ckpt_every",
     "train.ckpt_keep", "train.resume", "train.check_replicas_every", "train.step_timeout_s", "train.max_bad_steps",
     "data.prefetch", "data.num_proc", "data.cache_dir", "train.tensorboard", "train.wandb_project", "train.compile_cache",
-    "parallel.init_timeout_s", "parallel.heartbeat_timeout_s",
+    "parallel.init_timeout_s", "parallel.heartbeat_timeout_s", "parallel.coordinator_bind",
     # How gradients travel changes rounding, not the state: a run may resume with another strategy or bucketing.
     "parallel.strategy", "parallel.bucket_mb", "parallel.reduce_dtype",
+    # A resumed run starts from its own checkpoint: where its first weights came from no longer matters.
+    "train.init_from",
 }  # fmt: skip
 
 
 def config_differences(saved: dict, current: dict) -> list[str]:
     """`section.key: saved -> current` for every value that differs and may not change on resume."""
-    out = []
+    out, defaults = [], Config().to_dict()
     for section, values in current.items():
         for key, value in values.items():
             name = f"{section}.{key}"
-            old = saved.get(section, {}).get(key, "<absent>")
+            # a key added to jdp after the checkpoint was written had its default then
+            old = saved.get(section, {}).get(key, defaults.get(section, {}).get(key, "<absent>"))
             if old != value and name not in RESUMABLE_CHANGES:
                 out.append(f"{name}: {old!r} -> {value!r}")
     return out
@@ -86,6 +89,14 @@ def verify(state, record: dict) -> None:
             f"its arrays changed after it was written: {len(differ)} of {len(found)} leaves differ from the "
             f"checksums saved with it ({', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''})"
         )
+
+
+class _Refused(Exception):
+    """check(record) refused a checkpoint: the search ends with its error."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
 
 
 class Checkpoints:
@@ -142,33 +153,44 @@ class Checkpoints:
         steps, damaged = self.steps(), []
         for step in reversed(steps):
             try:
-                record = dict(
-                    self.manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
-                )
-            except Exception as e:
-                self._damaged(step, e)
-                damaged.append(step)
-                continue
-            check(record)
-            args = ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract(target(record) if target else state_like)),
-                record=ocp.args.JsonRestore(),
-            )
-            try:
-                restored = self.manager.restore(step, args=args)
-                verify(restored["state"], record)
+                state, record = self._restore(step, state_like, check, target)
+            except _Refused as e:
+                raise e.error from None
             except Exception as e:  # a truncated, corrupt or altered checkpoint: report it and try the one before
                 self._damaged(step, e)
                 damaged.append(step)
                 continue
             self._set_aside(damaged)
-            return step, restored["state"], record
+            return step, state, record
         if steps:
             raise ConfigError(
                 f"none of the checkpoints in {self.dir} ({steps}) can be restored; refusing to start from scratch "
                 f"over them. Move them away (or set train.resume=false) to start a new run"
             )
         return None
+
+    def restore(self, step: int, state_like, target=None) -> tuple[object, dict]:
+        """(state, record) of the checkpoint at `step`, verified against its checksums like restore_latest's."""
+        if step not in (steps := self.steps()):
+            raise ConfigError(f"{self.dir} has no checkpoint at step {step} (it has {steps or 'none'})")
+        try:
+            return self._restore(step, state_like, target=target)
+        except Exception as e:
+            raise ConfigError(f"checkpoint {self.dir / str(step)} cannot be restored: {type(e).__name__}: {e}") from e
+
+    def _restore(self, step: int, state_like, check=lambda record: None, target=None) -> tuple[object, dict]:
+        record = dict(self.manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"])
+        try:
+            check(record)
+        except Exception as e:
+            raise _Refused(e) from e
+        args = ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract(target(record) if target else state_like)),
+            record=ocp.args.JsonRestore(),
+        )
+        restored = self.manager.restore(step, args=args)
+        verify(restored["state"], record)
+        return restored["state"], record
 
     def _damaged(self, step: int, e: Exception) -> None:
         print(

@@ -13,7 +13,9 @@ from jdp.hardware import DEFAULT_MFU, GPUS, INTERCONNECTS
 
 
 def generate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by jdp train")
+    parser.add_argument(
+        "run_dir", metavar="RUN_DIR", help="a run directory written by jdp train, or a Hugging Face GPT-2 directory"
+    )
     parser.add_argument("--prompt", required=True, help="the text to continue")
     parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate at most (default 200)")
     parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8)")
@@ -97,6 +99,18 @@ def _generate(args: argparse.Namespace) -> int:
     return generate.run(args)
 
 
+def _export(args: argparse.Namespace) -> int:
+    from jdp import generate
+
+    return generate.export(args)
+
+
+def export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by jdp train")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="the directory to write (must not exist, or be empty)")
+    p.add_argument("--step", type=int, help="the checkpoint at this step (default: the newest that restores)")
+
+
 def _plan(args: argparse.Namespace) -> int:
     # The planner only traces shapes: keep JAX off the GPUs (and their memory) of the machine it runs on.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -139,6 +153,11 @@ def launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0 .. nnodes-1")
     p.add_argument("--coordinator", help="HOST:PORT on node 0 (default on one node: 127.0.0.1 and a free port)")
+    p.add_argument(
+        "--coordinator-bind",
+        metavar="HOST[:PORT]",
+        help="where node 0's coordination service listens (default: the --coordinator address only; 0.0.0.0: all)",
+    )
     p.add_argument("--max-restarts", type=int, default=0, help="restart the whole group up to K times")
     p.add_argument("--devices-per-proc", type=int, default=1, help="simulated CPU devices per worker (no GPUs)")
     p.add_argument(
@@ -182,9 +201,19 @@ COMMANDS = {
         _generate,
         generate_arguments,
         "continue a prompt with a run's latest checkpoint",
-        "Load RUN_DIR's newest checkpoint on one device and print the prompt and a sampled continuation; the "
-        "same seed gives the same text.",
+        "Load RUN_DIR's newest checkpoint (or a Hugging Face GPT-2 directory: config.json + model.safetensors + "
+        "tokenizer.json) on one device and print the prompt and a sampled continuation; the same seed gives the "
+        "same text.",
         "jdp generate runs/tiny-20260101-120000 --prompt 'def main():' --temperature 0.7",
+    ),
+    "export": (
+        _export,
+        export_arguments,
+        "write a checkpoint as a Hugging Face GPT-2 (config.json + model.safetensors)",
+        "Restore RUN_DIR's newest checkpoint (or --step N) on one device, read-only, and write it in GPT-2's names "
+        "and shapes, with the run's tokenizer files if it used a Hugging Face tokenizer: "
+        "transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR) loads it unchanged.",
+        "jdp export runs/gpt2-ft exported/gpt2-ft --step 1000",
     ),
     "plan": (
         _plan,

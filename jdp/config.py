@@ -30,6 +30,8 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype (bfloat16 on GPUs)
     param_dtype: str = "float32"  # parameters and optimizer state stay float32
     attention: str = "auto"  # auto (cuDNN's kernel on GPUs, einsum elsewhere), einsum, xla or cudnn
+    bias: bool = False  # biases in every projection (GPT-2 has them)
+    vocab_valid: int = 0  # ids from here to vocab_size are padding and never get probability; 0: none are
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ class TrainConfig:
     tensorboard: bool = True  # TensorBoard event files in RUN_DIR/tensorboard, beside metrics.jsonl
     wandb_project: str = ""  # a Weights & Biases project name switches W&B logging on (needs `pip install wandb`)
     compile_cache: bool = True  # JAX's persistent compilation cache under the jdp cache: restarts skip compiling
+    init_from: str = ""  # a local Hugging Face GPT-2 directory to start from (a resumed run uses its checkpoint)
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,9 @@ class ParallelConfig:
     reduce_dtype: str = "float32"  # dtype gradients travel in; bfloat16 halves the bytes (DDP's bf16 hook)
     init_timeout_s: int = 300  # how long a process waits for all others to join the job
     heartbeat_timeout_s: int = 30  # a process silent this long is declared dead and the job stops
+    # where process 0's coordination service listens (HOST or HOST:PORT); default: only where the coordinator
+    # address points (the loopback for a single-node job), never every interface unless asked ("0.0.0.0")
+    coordinator_bind: str = ""
 
 
 @dataclass(frozen=True)
@@ -248,7 +254,7 @@ RANGES = {
         _POSITIVE,
     ),
     **dict.fromkeys(
-        ["data.val_tokens", "data.prefetch", "data.num_proc", "train.eval_every", "train.ckpt_every",
+        ["model.vocab_valid", "data.val_tokens", "data.prefetch", "data.num_proc", "train.eval_every", "train.ckpt_every",
          "train.max_bad_steps", "train.check_replicas_every", "optim.warmup_steps", "optim.weight_decay",
          "optim.grad_clip", "parallel.bucket_mb"],
         _NON_NEGATIVE,
@@ -288,6 +294,8 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Derived:
     problems = _value_problems(cfg)
     if m.d_model % max(m.n_heads, 1):
         problems.append(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
+    if m.vocab_valid > m.vocab_size:
+        problems.append(f"model.vocab_valid={m.vocab_valid} is more than model.vocab_size={m.vocab_size}")
     if d.seq_len > m.max_seq_len:
         problems.append(
             f"data.seq_len={d.seq_len} is longer than the model supports (model.max_seq_len={m.max_seq_len}); "

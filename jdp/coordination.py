@@ -203,6 +203,16 @@ class StopAgreement:
                 self.stop_at = proposal
         if kv and self.stop_at is None and (agreed := kv.try_get(self.KEY)) is not None:
             self.stop_at = step_value(self.KEY, agreed)
+            if self.stop_at is not None and self.stop_at < done:  # jdp proposes steps nobody has passed yet
+                if "past:" + self.KEY not in _warned:
+                    _warned.add("past:" + self.KEY)
+                    print(
+                        f"jdp: warning: ignoring {self.KEY}={self.stop_at} in the job's key-value store: this "
+                        f"process has already done {done} steps, and jdp only proposes steps ahead of every process",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                self.stop_at = None
         return self.stop_at is not None and done >= self.stop_at
 
     def close(self) -> None:

@@ -1,4 +1,4 @@
-"""`jdp generate`: load a run's latest checkpoint and continue a prompt, sampling with a fixed seed."""
+"""`jdp generate`: load a run's latest checkpoint (or a Hugging Face GPT-2) and continue a prompt, with a fixed seed."""
 
 from __future__ import annotations
 
@@ -13,26 +13,53 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jdp import parallel
+from jdp import hf, parallel
 from jdp.build import build
 from jdp.checkpoint import Checkpoints
-from jdp.config import Config, ConfigError, load_config
+from jdp.config import Config, ConfigError, DataConfig, load_config
 from jdp.model import GPT
-from jdp.rundir import RunDir
+from jdp.rundir import RunDir, RunDirEscape
 from jdp.tokens import ByteTokenizer, HFTokenizer, load_tokenizer
 
 Tokenizer = ByteTokenizer | HFTokenizer
 
 
-def load_run(run_dir: str | Path) -> tuple[Config, GPT, Tokenizer, int]:
-    """(config, model with the latest checkpoint's parameters, tokenizer, that checkpoint's step), on one device.
+def load(path: str | Path, step: int | None = None) -> tuple[Config, GPT, Tokenizer, int | None]:
+    """A run directory's checkpoint (load_run), or a Hugging Face GPT-2 directory (load_pretrained, step None)."""
+    if not RunDir(path).config.is_file() and hf.is_hf_dir(path):
+        if step is not None:
+            raise ConfigError(f"{path} is a Hugging Face model directory: it has no checkpoints to pick a step from")
+        return (*load_pretrained(path), None)
+    return load_run(path, step)
 
-    The checkpoint may come from any number of devices and any strategy: orbax restores every leaf onto the
-    one device, in the layout the checkpoint's record names.
+
+def load_pretrained(path: str | Path) -> tuple[Config, GPT, Tokenizer]:
+    """(config, model, tokenizer) of a Hugging Face GPT-2 directory, on one device; its tokenizer from the same
+    directory (tokenizer.json, or transformers' files when transformers is installed)."""
+    cfg = Config(model=hf.model_config(path), data=DataConfig(tokenizer=str(path)))
+    tokenizer = load_tokenizer(str(path))
+    model, _ = hf.load_model(cfg.model, path)
+    graphdef, state = nnx.split(model)
+    return cfg, nnx.merge(graphdef, jax.device_put(state, jax.devices()[0])), tokenizer
+
+
+def load_run(run_dir: str | Path, step: int | None = None) -> tuple[Config, GPT, Tokenizer, int]:
+    """(config, model with the checkpoint's parameters, tokenizer, the checkpoint's step), on one device.
+
+    `step`: that checkpoint (an error if it is missing or damaged); default the newest that restores. The
+    checkpoint may come from any number of devices and any strategy: orbax restores every leaf onto the one
+    device, in the layout the checkpoint's record names, and verifies it against the checksums saved with it.
     """
     run = RunDir(run_dir)
+    try:
+        run.check_contained()
+    except RunDirEscape as e:
+        raise ConfigError(str(e)) from None
     if not run.config.is_file():
-        raise ConfigError(f"{run_dir} is not a jdp run directory (it has no config.yaml); give a run's train.run_dir")
+        hint = " (or a Hugging Face model directory: config.json + model.safetensors)" if step is None else ""
+        raise ConfigError(
+            f"{run_dir} is not a jdp run directory (it has no config.yaml); give a run's train.run_dir{hint}"
+        )
     cfg = load_config(run.config)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     if not run.checkpoints.is_dir():
@@ -46,20 +73,21 @@ def load_run(run_dir: str | Path) -> tuple[Config, GPT, Tokenizer, int]:
         # but the optimizer's init, and the restore overwrites every value.
         mesh, strategy = parallel.make_mesh(jax.devices()[:1]), cfg.parallel.strategy
         graphdef, state, _, _, optimizer = build(cfg, mesh)
-        try:
-            restored = ckpts.restore_latest(
-                state,
-                target=lambda r: parallel.restore_target(
-                    state, optimizer, mesh, strategy, parallel.OptLayout.of_record(r)
-                ),
-            )
-        except ConfigError as e:
-            raise ConfigError(
-                f"none of the checkpoints {steps} in {ckpts.dir} can be restored (see the warnings)"
-            ) from e
+
+        def target(record):
+            return parallel.restore_target(state, optimizer, mesh, strategy, parallel.OptLayout.of_record(record))
+
+        if step is not None:
+            state, _ = ckpts.restore(step, state, target)
+        else:
+            try:
+                step, state, _ = ckpts.restore_latest(state, target=target)
+            except ConfigError as e:
+                raise ConfigError(
+                    f"none of the checkpoints {steps} in {ckpts.dir} can be restored (see the warnings)"
+                ) from e
     finally:
         ckpts.close()
-    step, state, _ = restored
     return cfg, nnx.merge(graphdef, state.params, state.rest), tokenizer, step
 
 
@@ -149,10 +177,10 @@ def generate(
 def run(args: argparse.Namespace) -> int:
     """Print the prompt and its continuation to stdout; a header and the speed go to stderr."""
     _check_sampling(args.max_new_tokens, args.temperature, args.top_k)
-    cfg, model, tokenizer, step = load_run(args.run_dir)
+    cfg, model, tokenizer, step = load(args.run_dir)
+    what = "Hugging Face model" if step is None else f"checkpoint at step {step}"
     print(
-        f"jdp | {args.run_dir}: checkpoint at step {step} | temperature {args.temperature:g}, top_k {args.top_k}, "
-        f"seed {args.seed}",
+        f"jdp | {args.run_dir}: {what} | temperature {args.temperature:g}, top_k {args.top_k}, seed {args.seed}",
         file=sys.stderr,
         flush=True,
     )
@@ -166,4 +194,17 @@ def run(args: argparse.Namespace) -> int:
         f"jdp | {len(new)} tokens in {seconds:.1f} s ({len(new) / max(seconds, 1e-9):,.0f} tokens/s, compilation included)",
         file=sys.stderr,
     )
+    return 0
+
+
+def export(args: argparse.Namespace) -> int:
+    """`jdp export RUN_DIR OUT_DIR [--step N]`: a checkpoint as a GPT-2 directory transformers loads."""
+    cfg, model, tokenizer, step = load_run(args.run_dir, args.step)
+    files = hf.export(model, cfg, args.out_dir, cfg.data.tokenizer, getattr(tokenizer, "eod_id", None))
+    note = (
+        ""
+        if cfg.data.tokenizer != "byte"
+        else " (byte tokenizer: no tokenizer files; ids 0-255 are bytes, 256 ends a document)"
+    )
+    print(f"jdp | {args.run_dir}: checkpoint at step {step} -> {args.out_dir}: {', '.join(files)}{note}")
     return 0

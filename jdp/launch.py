@@ -135,6 +135,8 @@ class Launcher:
                 JDP_LAUNCHER_PID=str(os.getpid()),
                 JDP_LAUNCHER_GRACE_S=str(a.grace_s),
             )
+            if a.coordinator_bind:  # where node 0's coordination service listens (jdp.world.bind_address)
+                env["JAX_COORDINATOR_BIND_ADDRESS"] = a.coordinator_bind
             pin = None
             if gpus is not None:
                 env["CUDA_VISIBLE_DEVICES"] = gpus[local]

@@ -17,13 +17,13 @@ from jdp.config import ModelConfig
 
 
 def _linear(cfg: ModelConfig, d_in: int, d_out: int, std: float, rngs: nnx.Rngs) -> nnx.Linear:
-    # No biases in the projections (as in PaLM, LLaMA, nanoGPT's bias=False). The key bias in particular
-    # has an exactly-zero gradient (softmax ignores a constant shift), which Adam turns rounding noise into
-    # full-size updates of.
+    # By default no biases in the projections (as in PaLM, LLaMA, nanoGPT's bias=False). The key bias in
+    # particular has an exactly-zero gradient (softmax ignores a constant shift), which Adam turns rounding noise
+    # into full-size updates of. model.bias=true adds them (GPT-2 has them; they start at zero).
     return nnx.Linear(
         d_in,
         d_out,
-        use_bias=False,
+        use_bias=cfg.bias,
         dtype=cfg.dtype,
         param_dtype=cfg.param_dtype,
         kernel_init=nnx.initializers.normal(std),
@@ -147,8 +147,11 @@ class GPT(nnx.Module):
         x_NxD = x_BxLxD.reshape(B * L, -1)
         for block in self.blocks:
             x_NxD = block(x_NxD, B, L)
-        logits_NxV = self.embed.attend(self.norm(x_NxD))
-        return logits_NxV.reshape(B, L, -1).astype(jnp.float32)
+        logits_NxV = self.embed.attend(self.norm(x_NxD)).astype(jnp.float32)
+        V, valid = self.cfg.vocab_size, self.cfg.vocab_valid
+        if 0 < valid < V:  # the rows padded onto an imported vocabulary never get probability
+            logits_NxV = jnp.where(jnp.arange(V) < valid, logits_NxV, -1e30)
+        return logits_NxV.reshape(B, L, -1)
 
 
 def lm_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:

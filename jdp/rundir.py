@@ -67,6 +67,28 @@ class RunDir:
         """Where a streaming run keeps process `process`'s stream position after step `step`."""
         return self.path / "data_state" / str(step) / f"process_{process}.json"
 
+    def check_contained(self) -> None:
+        """Refuse a run directory with a link that leads out of it (raises RunDirEscape): jdp writes metrics,
+        checkpoints and summaries into RUN_DIR, moves files around in it and reads checkpoints from it, and a
+        directory from someone else must not make it write or read elsewhere (a metrics.jsonl that links to
+        ~/.bashrc). Checked: every path of this layout and everything below its directories, except W&B's own
+        directory (wandb links its logs to ~/.cache/wandb, and jdp only ever moves that directory whole). Links
+        that stay inside are fine; RUN_DIR itself may be a link."""
+        if not self.path.exists():
+            return
+        root = self.path.resolve()
+        files = [self.config, self.metrics, self.superseded_metrics, self.damaged_metrics, self.summary]
+        files += [self.wandb_run_id, self.path / RunLock.NAME, self.wandb]
+        trees = [self.checkpoints, self.damaged_checkpoints, self.path / "data_state", self.tensorboard]
+        below = [Path(d) / n for t in trees for d, ds, fs in os.walk(t) for n in ds + fs]  # links not followed
+        for p in files + trees + below:
+            if p.is_symlink() and not p.resolve().is_relative_to(root):
+                raise RunDirEscape(
+                    f"{p} is a link to {os.readlink(p)}, outside the run directory {self.path}; jdp reads and "
+                    f"writes only inside it. Replace the link with the file it points to (or use another "
+                    f"train.run_dir)"
+                )
+
     def archive(self) -> Path | None:
         """Move a previous run's files into RUN_DIR/archived-TIME (train.resume=false): nothing is deleted."""
         old = [
@@ -88,6 +110,10 @@ class RunDir:
         for p in old:
             shutil.move(str(p), str(dest / p.name))
         return dest
+
+
+class RunDirEscape(ValueError):
+    """A link inside the run directory leads out of it."""
 
 
 class RunDirInUse(RuntimeError):

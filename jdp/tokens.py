@@ -60,7 +60,7 @@ class HFTokenizer:
                     f"data.tokenizer={path}: has no tokenizer.json; `pip install transformers` to read it"
                 ) from e
             try:
-                self._tok = AutoTokenizer.from_pretrained(str(p))
+                self._tok = AutoTokenizer.from_pretrained(str(p), trust_remote_code=False)  # never its code
             except Exception as e:
                 raise ConfigError(
                     f"data.tokenizer={path}: transformers could not load a tokenizer from it ({e})"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -11,7 +12,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jdp import parallel
+from jdp import hf, parallel
 from jdp.build import build
 from jdp.checkpoint import Checkpoints, check_resumable
 from jdp.config import Config, ConfigError, save_config, validate
@@ -22,7 +23,7 @@ from jdp.faults import Faults
 from jdp.loop import Loop, Phases, Result, Setup
 from jdp.metrics import MetricsLog, fingerprint, flops_per_token, lost_steps, params_sha256, peak_flops, supersede
 from jdp.model import lm_loss
-from jdp.rundir import RunDir, RunDirInUse, RunLock
+from jdp.rundir import RunDir, RunDirEscape, RunDirInUse, RunLock
 from jdp.world import World, WorldError, initialize, resolve_world, use_compilation_cache
 
 
@@ -38,10 +39,15 @@ def train(cfg: Config, world: World | None = None) -> dict:
         except WorldError as e:
             raise ConfigError(str(e)) from e
     if not jax.distributed.is_initialized():
-        initialize(world, cfg.parallel.init_timeout_s, cfg.parallel.heartbeat_timeout_s)
+        initialize(world, cfg.parallel.init_timeout_s, cfg.parallel.heartbeat_timeout_s, cfg.parallel.coordinator_bind)
     phases = Phases()
-    lock, peers = RunLock(RunDir(cfg.train.run_dir)), PeerMonitor()
+    run_dir = RunDir(cfg.train.run_dir)
+    lock, peers = RunLock(run_dir), PeerMonitor()
     try:
+        try:
+            run_dir.check_contained()
+        except RunDirEscape as e:
+            raise ConfigError(str(e)) from None
         hold(lock)
         s = setup(cfg, world, phases)
         result = Loop(s).run()
@@ -86,6 +92,7 @@ def hold(lock: RunLock) -> None:
 def setup(cfg: Config, world: World, phases: Phases) -> Setup:
     """Everything before the first step: mesh, data, state and steps, the run directory, a checkpoint to resume."""
     t = cfg.train
+    cfg = checked_import(cfg) if t.init_from else cfg
     mesh = parallel.make_mesh()
     derived = validate(cfg, mesh.devices.size, jax.process_count())
     is_main = jax.process_index() == 0
@@ -96,8 +103,17 @@ def setup(cfg: Config, world: World, phases: Phases) -> Setup:
         data = load_data(
             cfg.data, cfg.model.vocab_size, t.batch_size, t.seed, rows, jax.process_index(), jax.process_count()
         )
+        if (valid := cfg.model.vocab_valid) and data.tokenizer.vocab_size > valid:
+            raise ConfigError(
+                f"data.tokenizer={cfg.data.tokenizer} has {data.tokenizer.vocab_size} tokens but the model knows "
+                f"{valid} (model.vocab_valid); use the model's own tokenizer"
+            )
+    imported = None
+    if t.init_from:
+        with phases(f"reading {t.init_from}"):
+            model, imported = hf.load_model(cfg.model, t.init_from)
     with phases("building the model and compiling"):
-        graphdef, state, train_step, n_params, optimizer = build(cfg, mesh)
+        graphdef, state, train_step, n_params, optimizer = build(cfg, mesh, model if imported else None)
         eval_step = parallel.make_eval_step(graphdef, lm_loss, mesh)
     with phases("looking for checkpoints"):
         if not t.resume and is_main and (archived := run_dir.archive()):
@@ -128,6 +144,8 @@ def setup(cfg: Config, world: World, phases: Phases) -> Setup:
     peak, peak_source = peak_flops(cfg.model.dtype, derived.n_devices)
     if is_main:
         print(banner(cfg, world, derived, data, n_params, peak, peak_source, run_dir, resumed_from, cache))
+        if imported:
+            print(f"jdp | {imported.describe() if resumed_from is None else 'train.init_from not used: resuming'}")
         save_config(cfg, run_dir.path)
     log = MetricsLog(
         run_dir.metrics,
@@ -141,6 +159,16 @@ def setup(cfg: Config, world: World, phases: Phases) -> Setup:
         cfg, derived, mesh, data, graphdef, state, train_step, eval_step, parallel.make_replica_digest(mesh), run_dir,
         ckpts, start, resumed_from, lost, log, peak, phases, Faults(),
     )  # fmt: skip
+
+
+def checked_import(cfg: Config) -> Config:
+    """The model must be the one in train.init_from; a padded vocabulary gets model.vocab_valid."""
+    if cfg.data.tokenizer == "byte":
+        raise ConfigError(
+            f"train.init_from={cfg.train.init_from} with data.tokenizer=byte: the imported model's ids are its own "
+            f"tokenizer's; set data.tokenizer to it (e.g. data.tokenizer={cfg.train.init_from})"
+        )
+    return dataclasses.replace(cfg, model=hf.checked_config(cfg.model, cfg.train.init_from))
 
 
 def banner(cfg: Config, world: World, derived, data, n_params, peak, peak_source, run_dir, resumed_from, cache) -> str:

@@ -8,9 +8,11 @@ imported only where a job is joined, so the command line can resolve a job (and 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -138,14 +140,68 @@ def resolve_world(
     return World(None, 1, 0, "no job description found")
 
 
-def initialize(world: World, init_timeout_s: int = 300, heartbeat_timeout_s: int = 30) -> None:
+BIND_ENV = "JAX_COORDINATOR_BIND_ADDRESS"  # JAX's own variable; `jdp launch --coordinator-bind` sets it
+
+
+def bind_address(
+    coordinator: str | None, bind: str = "", env: Mapping[str, str] | None = None
+) -> tuple[str | None, str]:
+    """(HOST:PORT where process 0's coordination service listens, why). JAX's default is every interface,
+    and the service has no authentication: jdp binds only where the other processes connect.
+
+    An explicit address (parallel.coordinator_bind, else $JAX_COORDINATOR_BIND_ADDRESS; a HOST takes the
+    coordinator's port) wins. Otherwise the coordinator's own address: a loopback one (a single-node job) stays on
+    the loopback, an IP is bound as is, a host name is resolved here. A name that resolves to a loopback address
+    on this host (Debian's 127.0.1.1 for its own name) says nothing about where other nodes connect from, so that
+    case alone binds every interface, with a warning naming the fix. None: JAX finds the job (Open MPI) and binds.
+    """
+    env = os.environ if env is None else env
+    explicit = bind or env.get(BIND_ENV, "")
+    if coordinator is None:
+        return (explicit or None), (
+            "as asked" if explicit else "JAX's default (every interface): the job is auto-detected"
+        )
+    host, _, port = coordinator.rpartition(":")
+    if explicit:
+        has_port = "]:" in explicit if explicit.startswith("[") else explicit.count(":") == 1
+        return (explicit if has_port else f"{explicit}:{port}"), "as asked"
+    name = host.strip("[]")
+    if name.lower() in ("localhost", "ip6-localhost"):
+        return f"127.0.0.1:{port}", "the coordinator is on the loopback"
+    try:
+        ip = ipaddress.ip_address(name)
+    except ValueError:
+        try:
+            ip = ipaddress.ip_address(socket.getaddrinfo(name, None)[0][4][0])
+        except (OSError, ValueError):
+            return f"[::]:{port}", f"{name} does not resolve here: every interface"
+        if ip.is_loopback:
+            return f"[::]:{port}", (
+                f"{name} resolves to the loopback address {ip} on this host, so where other nodes connect from is "
+                f"unknown: every interface (set parallel.coordinator_bind=ADDRESS to listen on one)"
+            )
+    where = f"[{ip}]" if ip.version == 6 else str(ip)
+    return f"{where}:{port}", ("the coordinator is on the loopback" if ip.is_loopback else "the coordinator's address")
+
+
+def initialize(world: World, init_timeout_s: int = 300, heartbeat_timeout_s: int = 30, bind: str = "") -> None:
     """Join the job `world` describes (nothing to do for one process). Call before anything touches devices.
 
     If the other processes have not all arrived within init_timeout_s, this process exits with a message
-    naming the phase and what it waited for, instead of JAX's abort from deep inside its runtime.
+    naming the phase and what it waited for, instead of JAX's abort from deep inside its runtime. Process 0's
+    coordination service listens only where bind_address says.
     """
     if world.num_processes == 1:
         return
+    address, why = bind_address(world.coordinator, bind)
+    if world.process_id == 0:
+        warn = address is None or address.startswith(("[::]", "0.0.0.0"))
+        print(
+            f"jdp{': warning' if warn and why != 'as asked' else ''}: the coordination service listens on "
+            f"{address or 'every interface'} ({why})",
+            file=sys.stderr if warn else sys.stdout,
+            flush=True,
+        )
     import jax
 
     # CPU collectives across processes need gloo; GPU collectives use NCCL regardless of this setting.
@@ -178,6 +234,7 @@ def initialize(world: World, init_timeout_s: int = 300, heartbeat_timeout_s: int
     jax.distributed.initialize(
         **kwargs,
         local_device_ids=list(world.local_device_ids) if world.local_device_ids else None,
+        coordinator_bind_address=address,
         initialization_timeout=init_timeout_s + 30,  # our watchdog speaks first
         heartbeat_timeout_seconds=heartbeat_timeout_s,
         # A process that exits waits at most this long in JAX's shutdown barrier for peers that may be gone.

@@ -86,6 +86,16 @@ KV_WORKER = textwrap.dedent(
         "stops": [stop.should_stop(done) for done in (0, 10**6)],
         "behind": watchdog._behind(),
     }
+    multihost_utils.sync_global_devices("read")
+    if me == 1:  # a step number, but one every process has passed: out of range
+        kv.set(StopAgreement.KEY, "2", overwrite=True)
+    multihost_utils.sync_global_devices("past")
+    out["past"] = [stop.should_stop(5), stop.should_stop(6)]
+    multihost_utils.sync_global_devices("checked")
+    if me == 1:  # what jdp itself proposes: a step ahead of every process
+        kv.set(StopAgreement.KEY, "9", overwrite=True)
+    multihost_utils.sync_global_devices("ahead")
+    out["ahead"] = [stop.should_stop(8), stop.should_stop(9)]
     stop.close()
     watchdog.close()
     multihost_utils.sync_global_devices("done")
@@ -105,5 +115,8 @@ def test_key_value_store_round_trips_and_ignores_values_jdp_did_not_write(tmp_pa
         assert out["values"] == {"test/0": "value 0", "test/1": "value 1"}
         assert out["missing"] is None
         assert out["stops"] == [False, False]  # a malformed stop step is no stop step
+        assert out["past"] == [False, False]  # nor is one already passed
+        assert out["ahead"] == [False, True]
         assert out["behind"] == "; processes behind the others: [0] (last steps: {0: 5, 1: 6})"
         assert "ignoring jdp/stop_after_step='../../etc'" in results[pid][2]
+        assert results[pid][2].count("ignoring jdp/stop_after_step=2 ") == 1
