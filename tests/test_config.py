@@ -434,3 +434,26 @@ def test_a_yaml_syntax_error_names_the_file(tmp_path):
     bad.write_text("train:\n  steps: [1, 2\n")
     with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
         load_config(bad)
+
+
+def test_bad_input_ends_jdp_train_with_exit_2_and_the_message_not_a_traceback(tmp_path):
+    """What a user sees: `jdp train` exits 2 with one clear message, before any compilation, for a bad number, a
+    file that is not UTF-8, and a data path that does not exist."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "latin1.txt").write_bytes(b"ok\n" * 100 + b"caf\xe9\n")
+    cases = {
+        "optim.lr=nan": "optim.lr=nan must be a finite number",
+        f"data.source={tmp_path / 'latin1.txt'}": "is not valid UTF-8: byte 0xe9 at offset 303 (line 101)",
+        f"data.source={tmp_path / 'missing'}/corpus.txt": "no such file or directory",
+    }
+    for override, message in cases.items():
+        out = subprocess.run(
+            [sys.executable, "-m", "jdp.cli", "train", "tiny", override, f"train.run_dir={tmp_path / 'run'}"],
+            capture_output=True, text=True, timeout=300, env={**os.environ, "JDP_CACHE": str(tmp_path / "cache")},
+        )  # fmt: skip
+        assert out.returncode == 2, (override, out.stderr[-2000:])
+        assert message in out.stderr and "Traceback" not in out.stderr, (override, out.stderr[-2000:])
+        assert "compil" not in out.stdout.lower()

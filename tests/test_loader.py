@@ -203,3 +203,21 @@ def test_load_data_streaming_and_its_errors(tmp_path):
     starving = load_data(cfg, 320, 2, seed=0, rows=slice(1, 2), rank=1, world=2)
     with pytest.raises(ConfigError, match="process 1 of 2 got no training documents"):
         starving.local_batch(0)
+
+
+def test_streaming_names_a_file_that_is_not_utf8_and_reads_it_leniently_when_asked(tmp_path):
+    (tmp_path / "a.txt").write_text("clean text\n" * 200)
+    (tmp_path / "b.txt").write_bytes(b"line one\n" * 300 + b"caf\xe9 au lait\n" + b"tail\n" * 10)
+    cfg = DataConfig(source=str(tmp_path / "*.txt"), streaming=True, val_tokens=0, seq_len=16)
+    with pytest.raises(ConfigError) as e:
+        loader = StreamBatches(open_stream(cfg), ByteTokenizer(), cfg, rows=2, rank=0, world=1, exclude=set())
+        for _ in range(1000):
+            loader.next_batch()
+    msg = str(e.value)
+    assert f"{tmp_path / 'b.txt'} is not valid UTF-8: byte 0xe9 at offset {9 * 300 + 3:,} (line 301)" in msg, msg
+    assert "data.encoding_errors=replace" in msg
+    lenient = DataConfig(source=str(tmp_path / "*.txt"), streaming=True, val_tokens=0, seq_len=16,
+                         encoding_errors="replace")  # fmt: skip
+    loader = StreamBatches(open_stream(lenient), ByteTokenizer(), lenient, rows=2, rank=0, world=1, exclude=set())
+    seen = b"".join(bytes(loader.next_batch()["inputs"].ravel().astype(np.uint8)) for _ in range(600))
+    assert "caf\ufffd au lait".encode() in seen.replace(bytes([EOD % 256]), b"")

@@ -209,11 +209,24 @@ def test_zero1_sigkill_then_resume_is_bit_identical(runs, env, tmp_path):
     assert losses(d) == losses(runs["zero1"])
 
 
+def _metric(run_dir, key):
+    from jdp.metrics import read_metrics
+
+    return {r["step"]: r[key] for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if key in r}
+
+
 @pytest.mark.slow
-def test_zero1_on_two_processes_matches_ddp(env, tmp_path):
+@pytest.mark.parametrize("optim, grad_accum", [("adamw", 1), ("sgd", 2)])
+def test_zero1_on_two_processes_matches_ddp(env, tmp_path, optim, grad_accum):
+    """2 processes x 2 devices: the same loss and gradient norm every step, and the same final parameters."""
     got = {}
     for strategy in ("ddp", "zero1"):
         d = tmp_path / strategy
-        run(d, env, (2, 2), ["train.steps=4", f"parallel.strategy={strategy}", "parallel.bucket_mb=0.05"])
-        got[strategy] = losses(d)
-    assert len(got["ddp"]) == 4 and close(got["ddp"], got["zero1"])
+        extra = [f"optim.name={optim}", f"train.grad_accum={grad_accum}", "optim.momentum=0.9"]
+        run(d, env, (2, 2), ["train.steps=4", f"parallel.strategy={strategy}", "parallel.bucket_mb=0.05", *extra])
+        got[strategy] = (losses(d), _metric(d, "grad_norm"), summary(d)["params_fingerprint"])
+    (loss_d, norm_d, params_d), (loss_z, norm_z, params_z) = got["ddp"], got["zero1"]
+    assert len(loss_d) == 4 and close(loss_d, loss_z) and len(norm_d) == 4 and close(norm_d, norm_z)
+    assert params_d.keys() == params_z.keys()
+    for name, a in params_d.items():
+        assert np.allclose(a, params_z[name], rtol=1e-5, atol=1e-6), name
