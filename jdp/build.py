@@ -13,7 +13,8 @@ import optax
 from flax import nnx
 
 from jdp import parallel
-from jdp.config import Config
+from jdp.config import Config, ParallelConfig
+from jdp.hooks import CommHook, PowerSGD
 from jdp.model import GPT, count_params, lm_loss
 from jdp.optim import make_optimizer
 
@@ -24,6 +25,7 @@ class Built(NamedTuple):
     train_step: object  # jitted (state, batch) -> (state, metrics)
     n_params: int
     optimizer: optax.GradientTransformation
+    comm_hook: CommHook | None  # parallel.compression's hook
 
 
 def build(cfg: Config, mesh: jax.sharding.Mesh, model: GPT | None = None) -> Built:
@@ -34,8 +36,9 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, model: GPT | None = None) -> Bui
     model = model if model is not None else GPT(cfg.model, nnx.Rngs(cfg.train.seed))
     n_params = count_params(model)
     optimizer, schedule = make_optimizer(cfg.optim, cfg.train.steps)
-    graphdef, state = parallel.init_state(model, optimizer, mesh, cfg.parallel.strategy)
     p = cfg.parallel
+    hook = comm_hook(p, cfg.train.seed)
+    graphdef, state = parallel.init_state(model, optimizer, mesh, p.strategy, hook)
     train_step = parallel.make_train_step(
         graphdef,
         lm_loss,
@@ -46,8 +49,24 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, model: GPT | None = None) -> Bui
         strategy=p.strategy,
         bucket_mb=p.bucket_mb,
         reduce_dtype=p.reduce_dtype,
+        comm_hook=hook,
     )
-    return Built(graphdef, state, train_step, n_params, optimizer)
+    return Built(graphdef, state, train_step, n_params, optimizer, hook)
+
+
+def comm_hook(p: ParallelConfig, seed: int = 0) -> CommHook | None:
+    """The communication hook parallel.compression asks for (None: the built-in mean in parallel.reduce_dtype)."""
+    if p.compression == "powersgd":
+        return PowerSGD(
+            rank=p.powersgd_rank,
+            start_step=p.powersgd_warmup,
+            error_feedback=p.powersgd_error_feedback,
+            min_ratio=p.powersgd_min_ratio,
+            seed=seed,
+            dtype=p.reduce_dtype,
+            uncompressed=tuple(part.strip() for part in p.powersgd_uncompressed.split(",") if part.strip()),
+        )
+    return None
 
 
 def batch_spec(cfg: Config, mesh) -> dict[str, jax.ShapeDtypeStruct]:

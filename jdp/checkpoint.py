@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -24,8 +25,11 @@ RESUMABLE_CHANGES = {
     "train.ckpt_keep", "train.resume", "train.check_replicas_every", "train.step_timeout_s", "train.max_bad_steps",
     "data.prefetch", "data.num_proc", "data.cache_dir", "train.tensorboard", "train.wandb_project", "train.compile_cache",
     "parallel.init_timeout_s", "parallel.heartbeat_timeout_s", "parallel.coordinator_bind",
-    # How gradients travel changes rounding, not the state: a run may resume with another strategy or bucketing.
-    "parallel.strategy", "parallel.bucket_mb", "parallel.reduce_dtype",
+    # How gradients travel changes rounding, not the state: a run may resume with another strategy or bucketing,
+    # or switch gradient compression on or off (the hook's state starts afresh when it is not the saved one's).
+    "parallel.strategy", "parallel.bucket_mb", "parallel.reduce_dtype", "parallel.compression",
+    "parallel.powersgd_rank", "parallel.powersgd_warmup", "parallel.powersgd_error_feedback",
+    "parallel.powersgd_min_ratio", "parallel.powersgd_uncompressed",
     # A resumed run starts from its own checkpoint: where its first weights came from no longer matters.
     "train.init_from",
 }  # fmt: skip
@@ -99,6 +103,16 @@ class _Refused(Exception):
         self.error = error
 
 
+def _core(state) -> dict:
+    """A TrainState's step, parameters, optimizer and other model state: a checkpoint's "state" item (the
+    communication hook's per-device states, when there are any, are its "comm" item)."""
+    return {k: getattr(state, k) for k in ("step", "params", "opt_state", "rest")}
+
+
+def _without_comm(state):
+    return dataclasses.replace(state, comm=None) if getattr(state, "comm", None) is not None else state
+
+
 class Checkpoints:
     """The run's checkpoints under RUN_DIR/checkpoints/STEP: train state + a JSON record (step, data, config).
 
@@ -135,9 +149,12 @@ class Checkpoints:
 
     def save(self, step: int, state, record: dict) -> None:
         """Start writing `state` and `record` (which gains the state's checksums) as checkpoint `step`."""
-        record = {**record, "checksums": checksums(state)}
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record))
-        self.manager.save(step, args=args, force=True)
+        record = {**record, "checksums": checksums(_without_comm(state))}
+        items = {"state": ocp.args.StandardSave(_core(state))}
+        if (comm := getattr(state, "comm", None)) is not None:
+            record["comm_checksums"] = checksums(comm)
+            items["comm"] = ocp.args.StandardSave(comm)
+        self.manager.save(step, args=ocp.args.Composite(**items, record=ocp.args.JsonSave(record)), force=True)
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -148,7 +165,8 @@ class Checkpoints:
         `check(record)` sees each checkpoint's JSON record before its arrays are read; what it raises (a
         refused config change) ends the search. `target(record)`, if given, says what to restore that checkpoint
         into (its optimizer state may be laid out for another strategy); else `state_like`. None when there are
-        no checkpoints at all.
+        no checkpoints at all. The communication hook's states are read when the target has them (target.comm) and
+        the checkpoint does; otherwise the state keeps `state_like.comm`.
         """
         steps, damaged = self.steps(), []
         for step in reversed(steps):
@@ -184,13 +202,18 @@ class Checkpoints:
             check(record)
         except Exception as e:
             raise _Refused(e) from e
-        args = ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract(target(record) if target else state_like)),
-            record=ocp.args.JsonRestore(),
-        )
-        restored = self.manager.restore(step, args=args)
-        verify(restored["state"], record)
-        return restored["state"], record
+        like = target(record) if target else state_like
+        items = {"state": ocp.args.StandardRestore(abstract(_core(like)))}
+        read_comm = getattr(like, "comm", None) is not None and "comm_checksums" in record
+        if read_comm:
+            items["comm"] = ocp.args.StandardRestore(abstract(like.comm))
+        restored = self.manager.restore(step, args=ocp.args.Composite(**items, record=ocp.args.JsonRestore()))
+        state = dataclasses.replace(state_like, **restored["state"])
+        verify(_without_comm(state), record)
+        if read_comm:
+            verify(restored["comm"], {"checksums": record["comm_checksums"]})
+            state = dataclasses.replace(state, comm=restored["comm"])
+        return state, record
 
     def _damaged(self, step: int, e: Exception) -> None:
         print(

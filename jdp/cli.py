@@ -75,12 +75,12 @@ def _allreduce(args: argparse.Namespace) -> int:
         ).strip()
     from jdp import world
     from jdp.config import load_config
-    from jdp.hlo import all_reduce_report
+    from jdp.hlo import all_reduce_report, compression_report
 
     config, overrides = split_config_args(args.args)
     cfg = load_config(config, overrides)
     world.set_xla_flags(cfg.parallel.bucket_mb, strategy=cfg.parallel.strategy)
-    text, numbers = all_reduce_report(cfg)
+    text, numbers = (compression_report if cfg.parallel.compression != "none" else all_reduce_report)(cfg)
     print(text)
     if args.json:
         print(json.dumps(numbers))

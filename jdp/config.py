@@ -93,6 +93,13 @@ class ParallelConfig:
     strategy: str = "ddp"
     bucket_mb: float = 25.0  # gradient all-reduce bucket size in MiB (DDP's bucket_cap_mb); 0: one bucket
     reduce_dtype: str = "float32"  # dtype gradients travel in; bfloat16 halves the bytes (DDP's bf16 hook)
+    # none: every bucket all-reduced whole; powersgd: gradient matrices sent as rank-r factors (ddp only; hooks.py)
+    compression: str = "none"
+    powersgd_rank: int = 4  # r: an m x n gradient travels as r(m + n) numbers instead of mn
+    powersgd_warmup: int = 100  # plain all-reduce for the first steps (PyTorch: start_powerSGD_iter)
+    powersgd_error_feedback: bool = True  # add what compression left out to the next step's gradient
+    powersgd_min_ratio: float = 2.0  # compress a matrix only if that shrinks it at least this much
+    powersgd_uncompressed: str = ""  # comma-separated parts of parameter names never compressed (e.g. "embed")
     init_timeout_s: int = 300  # how long a process waits for all others to join the job
     heartbeat_timeout_s: int = 30  # a process silent this long is declared dead and the job stops
     # where process 0's coordination service listens (HOST or HOST:PORT); default: only where the coordinator
@@ -250,17 +257,18 @@ RANGES = {
         ["model.vocab_size", "model.max_seq_len", "model.d_model", "model.n_layers", "model.n_heads",
          "model.mlp_ratio", "data.seq_len", "train.steps", "train.batch_size", "train.grad_accum", "train.log_every",
          "train.ckpt_keep", "train.step_timeout_s", "parallel.init_timeout_s", "parallel.heartbeat_timeout_s",
-         "optim.lr", "optim.eps"],
+         "optim.lr", "optim.eps", "parallel.powersgd_rank"],
         _POSITIVE,
     ),
     **dict.fromkeys(
         ["model.vocab_valid", "data.val_tokens", "data.prefetch", "data.num_proc", "train.eval_every", "train.ckpt_every",
          "train.max_bad_steps", "train.check_replicas_every", "optim.warmup_steps", "optim.weight_decay",
-         "optim.grad_clip", "parallel.bucket_mb"],
+         "optim.grad_clip", "parallel.bucket_mb", "parallel.powersgd_warmup"],
         _NON_NEGATIVE,
     ),
     **dict.fromkeys(["optim.b1", "optim.b2", "optim.momentum"], _FRACTION),
     "optim.min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "parallel.powersgd_min_ratio": (lambda v: v >= 1, ">= 1 (compression must not grow a gradient)"),
 }  # fmt: skip
 CHOICES = {
     "model.dtype": DTYPES,
@@ -270,6 +278,7 @@ CHOICES = {
     "optim.name": ("adamw", "sgd"),
     "parallel.strategy": ("ddp", "zero1", "dp"),
     "parallel.reduce_dtype": ("float32", "bfloat16"),
+    "parallel.compression": ("none", "powersgd"),
 }
 
 
@@ -305,6 +314,11 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Derived:
         problems.append(
             f"parallel.strategy=dp is PyTorch DataParallel's single-process master pattern and cannot span "
             f"{n_processes} processes; use parallel.strategy=ddp"
+        )
+    if par.compression != "none" and par.strategy != "ddp":
+        problems.append(
+            f"parallel.compression={par.compression} compresses ddp's gradient all-reduces; parallel.strategy="
+            f"{par.strategy} has none (use parallel.strategy=ddp, or parallel.compression=none)"
         )
     per_step = n_devices * max(t.grad_accum, 1)
     if t.batch_size > 0 and t.batch_size % per_step:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 import time
@@ -72,7 +73,9 @@ def load_run(run_dir: str | Path, step: int | None = None) -> tuple[Config, GPT,
         # build() gives the state's structure, shapes and shardings on a one-device mesh; it compiles nothing
         # but the optimizer's init, and the restore overwrites every value.
         mesh, strategy = parallel.make_mesh(jax.devices()[:1]), cfg.parallel.strategy
-        graphdef, state, _, _, optimizer = build(cfg, mesh)
+        # Sampling needs no communication hook's state (PowerSGD's error buffers): it is left unread.
+        built = build(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, compression="none")), mesh)
+        graphdef, state, optimizer = built.graphdef, built.state, built.optimizer
 
         def target(record):
             return parallel.restore_target(state, optimizer, mesh, strategy, parallel.OptLayout.of_record(record))

@@ -94,7 +94,7 @@ def all_reduce_report(cfg: Config) -> tuple[str, dict]:
     mesh = parallel.make_mesh()
     n = mesh.devices.size
     derived = validate(cfg, n, jax.process_count())
-    graphdef, state, train_step, n_params, _ = build(cfg, mesh)
+    graphdef, state, train_step, n_params, *_ = build(cfg, mesh)
     spec = batch_spec(cfg, mesh)
     micro = {k: jax.ShapeDtypeStruct((derived.micro_batch, *v.shape[1:]), v.dtype) for k, v in spec.items()}
     p = cfg.parallel
@@ -161,14 +161,61 @@ def all_reduce_report(cfg: Config) -> tuple[str, dict]:
     return "\n".join(lines), numbers
 
 
-def _rows(found: list, grads: dict, gathers: dict) -> list[str]:
+def compression_report(cfg: Config) -> tuple[str, dict]:
+    """The bytes a compressed step really all-reduces (from the compiled program after the warm-up), against the
+    same step without compression and the hook's own prediction (PowerSGD: r(m + n) per m x n matrix)."""
+    import dataclasses
+
+    mesh = parallel.make_mesh()
+    n = mesh.devices.size
+    validate(cfg, n, jax.process_count())
+    spec = batch_spec(cfg, mesh)
+    p = cfg.parallel
+    compressed = dataclasses.replace(cfg, parallel=dataclasses.replace(p, powersgd_warmup=0))  # no warm-up branch
+    plain = dataclasses.replace(cfg, parallel=dataclasses.replace(p, compression="none"))
+    totals, numbers = {}, {"devices": n, "compression": p.compression, "rank": p.powersgd_rank}
+    for name, c in (("compressed", compressed), ("plain", plain)):
+        built = build(c, mesh)
+        found = collectives(built.train_step.lower(built.state, spec).compile().as_text())
+        totals[name] = [a for a in found if a.kind == "all-reduce"]
+        if name == "compressed":
+            named = [(n, tuple(x.shape)) for n, x in
+                     zip(parallel.param_names(built.state.params), jax.tree.leaves(built.state.params), strict=True)]  # fmt: skip
+            hook = built.comm_hook
+    small = 4 * 2  # the loss and token count
+    predicted = 4 * hook.wire_elements(named) + small if p.reduce_dtype == "float32" else None
+    sent, whole = (sum(a.bytes for a in totals[k]) for k in ("compressed", "plain"))
+    packed = [s for n, s in named if hook.compresses(n, s)]
+    lines = [
+        f"all-reduces of the compiled train step with parallel.compression={p.compression} (rank {p.powersgd_rank}), "
+        f"{n} x {jax.devices()[0].device_kind}, parallel.bucket_mb={p.bucket_mb:g}",
+        f"{'#':>3}  {'kind':<14} {'bytes':>13}  {'result':<18} {'in a loop':<9}  contents",
+    ]
+    lines += _rows(totals["compressed"], {}, {}, "gradients: PowerSGD factors P or Q, or uncompressed tensors")
+    lines += [
+        f"after the warm-up: {sent:,} bytes per step in {len(totals['compressed'])} all-reduces; without compression "
+        f"{whole:,} in {len(totals['plain'])}: {whole / max(sent, 1):.1f} x fewer bytes",
+        f"{len(packed)} of {len(named)} gradients are compressed (each m x n matrix sends r(m + n) numbers instead of "
+        f"mn); the other {len(named) - len(packed)} (1-D, too small to gain {p.powersgd_min_ratio:g} x, or named in "
+        f"parallel.powersgd_uncompressed) travel whole",
+        f"predicted from the shapes: {predicted:,} bytes" if predicted is not None else
+        "predicted bytes: for parallel.reduce_dtype=float32 only",
+        f"the first {p.powersgd_warmup} steps (parallel.powersgd_warmup) all-reduce everything: {whole:,} bytes per step",
+    ]  # fmt: skip
+    numbers.update({"bytes_per_step": sent, "bytes_per_step_uncompressed": whole, "predicted_bytes": predicted,
+                    "all_reduces": len(totals["compressed"]), "compressed_gradients": len(packed),
+                    "gradients": len(named), "warmup_steps": p.powersgd_warmup})  # fmt: skip
+    return "\n".join(lines), numbers
+
+
+def _rows(found: list, grads: dict, gathers: dict, unplanned: str = "loss and token count, or norms") -> list[str]:
     """One line per collective: kind, bytes, result shape, whether in a loop, and what it carries."""
     rows = []
     for i, a in enumerate(found, 1):
         b = grads.get(id(a)) or gathers.get(id(a))
         more = f" + {len(b.names) - 3} more" if b and len(b.names) > 3 else ""
         what = "gradients" if id(a) in grads else "parameters"
-        what = f"{what}: {', '.join(b.names[:3])}{more}" if b else "loss and token count, or norms"
+        what = f"{what}: {', '.join(b.names[:3])}{more}" if b else unplanned if a.bytes > 8 else "loss and token count"
         rows.append(
             f"{i:>3}  {a.kind:<14} {a.bytes:>13,}  {' '.join(a.shapes):<18} {'yes' if a.in_loop else 'no':<9}  {what}"
         )

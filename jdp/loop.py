@@ -73,6 +73,7 @@ class Setup:
     peak: float  # FLOP/s, for MFU
     phases: Phases
     faults: Faults
+    comm: dict | None = None  # what checkpoints record of the communication hook's state (parallel.comm_record)
 
 
 @dataclass
@@ -246,6 +247,8 @@ class Loop:
             record["data"] = {"seed": self.t.seed, "step": step}
             record["rng"] = "none: the train step draws no random numbers; data order derives from (train.seed, step)"
             record["optimizer_layout"] = parallel.OptLayout.of(s.cfg.parallel.strategy, s.mesh).to_record()
+            if s.comm is not None:
+                record["comm"] = s.comm
             s.ckpts.save(step, self.state, record)
             self.saved.add(step)
             s.faults.after_save_started(step)

@@ -1,7 +1,9 @@
 """The data-parallel program: the `data` mesh, global batches, and the shard_map train, gradient and eval steps.
 
-The only module with axis names and collectives. How a job starts is world.py's, what its processes agree on
-while running is coordination.py's, and which gradients share a bucket is buckets.py's.
+The only module with axis names and collectives, but for the reduction of one gradient bucket, which is a
+communication hook's (hooks.py: the mean, PowerSGD or a user's; they get the axis name from here). How a job
+starts is world.py's, what its processes agree on while running is coordination.py's, and which gradients share a
+bucket is buckets.py's.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdp.buckets import Bucket, bucket_plan
+from jdp.hooks import CommHook, GradBucket, Mean, varying
 
 # Where the README of earlier versions told library users to find them; they live in world.py now.
 from jdp.world import keep_scratch_memory, set_xla_flags  # noqa: F401
@@ -71,19 +74,26 @@ def shard_batch(local: Batch, mesh: jax.sharding.Mesh, global_batch: int | None 
 @dataclass
 class TrainState:
     """Everything the step updates. Every leaf is replicated (one identical copy per device), except the optimizer
-    state under zero1 (flat and split over the devices: OptLayout) and dp (on the master device)."""
+    state under zero1 (flat and split over the devices: OptLayout) and dp (on the master device), and the
+    communication hook's state, which each device keeps its own of (leading axis: the devices)."""
 
     step: jax.Array
     params: nnx.State  # the model's nnx.Param variables
     opt_state: optax.OptState
     rest: nnx.State  # any other model variables, carried unchanged
+    comm: Any = None  # the hook's per-parameter states, {leaf index: state}; None when it keeps none (the mean)
 
 
 def init_state(
-    model: nnx.Module, optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh, strategy: str = "ddp"
+    model: nnx.Module,
+    optimizer: optax.GradientTransformation,
+    mesh: jax.sharding.Mesh,
+    strategy: str = "ddp",
+    comm_hook: CommHook | None = None,
 ):
-    """Split the model once; place the parameters, replicated, on every device of the mesh, and the optimizer
-    state as `strategy` keeps it: replicated (ddp), on the master (dp), or split over the devices (zero1)."""
+    """Split the model once; place the parameters, replicated, on every device of the mesh, the optimizer
+    state as `strategy` keeps it: replicated (ddp), on the master (dp), or split over the devices (zero1), and
+    the communication hook's initial state (pass the hook given to make_train_step)."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     params, rest = jax.device_put((params, rest), replicated(mesh))
     layout = OptLayout.of(strategy, mesh)
@@ -92,7 +102,51 @@ def init_state(
     init = lambda p: optimizer.init(layout.view(p))  # noqa: E731
     opt_state = jax.jit(init, out_shardings=layout.shardings(shapes, mesh, strategy))(params)
     step = jax.device_put(jnp.zeros((), jnp.int32), replicated(mesh))
-    return graphdef, TrainState(step, params, opt_state, rest)
+    return graphdef, TrainState(step, params, opt_state, rest, init_comm(comm_hook, params, mesh))
+
+
+def init_comm(hook: CommHook | None, params, mesh: jax.sharding.Mesh):
+    """The hook's initial per-parameter states, one copy per device ({leaf index: state}), or None if it keeps none.
+
+    Each device's copy is the same at start (the hook's init sees only the parameter's index, name and shape)."""
+    if hook is None:
+        return None
+    n = mesh.devices.size
+
+    def make():
+        states = _hook_states(hook, params)
+        return {k: jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), v) for k, v in states.items()} or None
+
+    shapes = jax.eval_shape(make)
+    if shapes is None:
+        return None
+    per_device = jax.tree.map(lambda x: NamedSharding(mesh, P(AXIS, *[None] * (x.ndim - 1))), shapes)
+    return jax.jit(make, out_shardings=per_device)()
+
+
+def _hook_states(hook: CommHook, params) -> dict:
+    """{leaf index: the hook's initial state} for the parameters it keeps state for."""
+    states = {}
+    for k, (name, leaf) in enumerate(zip(param_names(params), jax.tree.leaves(params), strict=True)):
+        if (state := hook.init(k, name, tuple(leaf.shape))) is not None:
+            states[str(k)] = state
+    return states
+
+
+def param_names(params) -> list[str]:
+    """The parameters' names in leaf order, as buckets and hooks see them ("blocks.0.attn.qkv.kernel")."""
+    return [
+        jax.tree_util.keystr(path, simple=True, separator=".").removesuffix(".value")
+        for path, _ in jax.tree_util.tree_leaves_with_path(params)
+    ]
+
+
+def comm_record(hook: CommHook | None, state: TrainState) -> dict | None:
+    """What a checkpoint records of the hook's state: a resumed run keeps that state only when this matches."""
+    if state.comm is None:
+        return None
+    n = jax.tree.leaves(state.comm)[0].shape[0]
+    return {**hook.describe(), "devices": n, "leaves": sorted(state.comm, key=int)}
 
 
 @dataclass(frozen=True)
@@ -217,10 +271,7 @@ def restore_target(state: TrainState, optimizer, mesh: jax.sharding.Mesh, strate
 
 
 def _varying(tree):
-    # jax >= 0.10 names it pcast(to="varying"); older releases called it pvary.
-    if hasattr(jax.lax, "pcast"):
-        return jax.lax.pcast(tree, AXIS, to="varying")
-    return jax.lax.pvary(tree, AXIS)
+    return varying(tree, AXIS)
 
 
 def _local_sums(graphdef, loss_fn: LossFn, grad_accum: int):
@@ -260,26 +311,34 @@ def _local_sums(graphdef, loss_fn: LossFn, grad_accum: int):
     return sums
 
 
-def _reduce_buckets(grads, buckets: list[Bucket], reduce_dtype: str):
-    """pmean of the gradients over `data`: one all-reduce per bucket, each bucket one flat buffer (as DDP)."""
+def _reduce_buckets(grads, buckets: list[Bucket], hook: CommHook, comm, step, n_devices: int):
+    """The mean of the gradients over `data`, bucket by bucket through the communication hook (DDP's buckets:
+    with the mean, one all-reduce of one flat buffer per bucket). comm: this device's hook states, or None.
+    Returns (averaged gradients, new hook states)."""
     leaves, tree = jax.tree.flatten(grads)
-    out = list(leaves)
-    for bucket in buckets:
-        flat = jnp.concatenate([leaves[k].astype(reduce_dtype).ravel() for k in bucket.leaves])
-        flat = jax.lax.pmean(flat, AXIS)
-        offset = 0
-        for k in bucket.leaves:
-            size = leaves[k].size
-            out[k] = flat[offset : offset + size].reshape(leaves[k].shape).astype(leaves[k].dtype)
-            offset += size
-    return jax.tree.unflatten(tree, out)
+    out, new_comm = list(leaves), dict(comm or {})
+    for i, bucket in enumerate(buckets):
+        view = GradBucket(i, bucket.leaves, bucket.names, AXIS, n_devices)
+        states = [new_comm.get(str(k)) for k in bucket.leaves]
+        averaged, states = hook.reduce(view, [leaves[k] for k in bucket.leaves], states, step)
+        for k, g, state in zip(bucket.leaves, averaged, states, strict=True):
+            out[k] = g
+            if state is not None:
+                new_comm[str(k)] = state
+    return jax.tree.unflatten(tree, out), (new_comm if comm is not None else None)
 
 
-def _global_grads(graphdef, loss_fn: LossFn, n_devices: int, grad_accum: int, bucket_mb: float, reduce_dtype: str):
-    """Per-device function: (params, rest, local rows) -> (gradient of the global mean loss, loss, weight)."""
+def _global_grads(
+    graphdef, loss_fn: LossFn, n_devices: int, grad_accum: int, bucket_mb: float, reduce_dtype: str,
+    hook: CommHook | None = None,
+):  # fmt: skip
+    """Per-device function: (params, rest, local rows[, hook states, step]) -> (gradient of the global mean loss,
+    loss, weight[, new hook states])."""
     local_sums = _local_sums(graphdef, loss_fn, grad_accum)
+    stateful = hook is not None
+    hook = hook or Mean(reduce_dtype)
 
-    def grads_of(params, rest, batch):
+    def grads_of(params, rest, batch, comm=None, step=None):
         grads_sum, loss_sum, weight_sum = local_sums(params, rest, batch)
         micro = {k: jax.ShapeDtypeStruct((v.shape[0] // grad_accum, *v.shape[1:]), v.dtype) for k, v in batch.items()}
         buckets = bucket_plan(graphdef, loss_fn, params, rest, micro, bucket_mb, reduce_dtype)
@@ -291,18 +350,23 @@ def _global_grads(graphdef, loss_fn: LossFn, n_devices: int, grad_accum: int, bu
         # token weight) yields exactly the gradient of the global token-weighted mean loss, the same as one
         # device computing the whole batch, whatever the device count or the spread of padding.
         scale = jnp.where(weight > 0, n_devices / weight, 0.0)
-        grads = jax.tree.map(lambda g: g * scale, _reduce_buckets(grads_sum, buckets, reduce_dtype))
-        return grads, loss, weight
+        averaged, comm = _reduce_buckets(grads_sum, buckets, hook, comm, step, n_devices)
+        grads = jax.tree.map(lambda g: g * scale, averaged)
+        return (grads, loss, weight, comm) if stateful else (grads, loss, weight)
 
     return grads_of
 
 
-def _update(optimizer, schedule, state: TrainState, grads, loss, weight):
-    """The optimizer step on (globally averaged) gradients: new state and metrics. Shared by ddp and dp."""
+def _update(optimizer, schedule, state: TrainState, grads, loss, weight, comm=None):
+    """The optimizer step on (globally averaged) gradients: new state and metrics. Shared by ddp and dp.
+    comm: the hook's new states, kept only if the update is applied (a skipped step leaves them as they were)."""
     params, opt_state, metrics = _apply(
         optimizer, schedule, state.step, state.params, state.opt_state, grads, loss, weight
     )
-    return TrainState(state.step + 1, params, opt_state, state.rest), metrics
+    if comm is not None:
+        ok = metrics["skipped"] == 0
+        comm = jax.tree.map(lambda new, old: jnp.where(ok, new, old), comm, state.comm)
+    return TrainState(state.step + 1, params, opt_state, state.rest, comm), metrics
 
 
 def _apply(optimizer, schedule, step, params, opt_state, grads, loss, weight):
@@ -337,29 +401,56 @@ def make_train_step(
     strategy: str = "ddp",
     bucket_mb: float = 25.0,
     reduce_dtype: str = "float32",
+    comm_hook: CommHook | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """The data-parallel step: (state, global batch) -> (new state, metrics), state donated.
 
     strategy="ddp" (jdp's design): every device computes its gradients, they are averaged by all-reduces
-    of about bucket_mb MiB, and every replica applies the identical update. strategy="zero1" splits the
-    optimizer state over the devices (make_zero1_train_step; build the state with init_state(...,
+    of about bucket_mb MiB, and every replica applies the identical update; comm_hook replaces the mean of each
+    bucket (hooks.py; build the state with init_state(..., comm_hook=the same hook)). strategy="zero1" splits
+    the optimizer state over the devices (make_zero1_train_step; build the state with init_state(...,
     strategy="zero1")). strategy="dp" is PyTorch DataParallel's master pattern, kept as the baseline to
     measure against (see make_dp_train_step).
     """
+    if comm_hook is not None and strategy != "ddp":
+        raise ValueError(f"a communication hook reduces ddp's buckets; strategy={strategy!r} has none to hook")
     if strategy == "dp":
         return make_dp_train_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule)
     if strategy == "zero1":
         return make_zero1_train_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, bucket_mb, reduce_dtype)
     if strategy != "ddp":
         raise ValueError(f"strategy={strategy!r} must be one of {', '.join(STRATEGIES)}")
-    grads_of = _global_grads(graphdef, loss_fn, mesh.devices.size, grad_accum, bucket_mb, reduce_dtype)
+    if comm_hook is None:
+        grads_of = _global_grads(graphdef, loss_fn, mesh.devices.size, grad_accum, bucket_mb, reduce_dtype)
 
-    def step(state: TrainState, batch: Batch):
-        grads, loss, weight = grads_of(state.params, state.rest, batch)
-        # Every replica applies the identical update to identical parameters: they stay bit-identical.
-        return _update(optimizer, schedule, state, grads, loss, weight)
+        def step(state: TrainState, batch: Batch):
+            grads, loss, weight = grads_of(state.params, state.rest, batch)
+            # Every replica applies the identical update to identical parameters: they stay bit-identical.
+            return _update(optimizer, schedule, state, grads, loss, weight)
 
-    sharded = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(), P()))
+        sharded = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(), P()))
+        return jax.jit(sharded, donate_argnums=0)
+
+    grads_of = _global_grads(graphdef, loss_fn, mesh.devices.size, grad_accum, bucket_mb, reduce_dtype, comm_hook)
+
+    def hooked(state: TrainState, batch: Batch):
+        expected = sorted(jax.eval_shape(lambda: _hook_states(comm_hook, state.params)), key=int)
+        if sorted(state.comm or {}, key=int) != expected:
+            raise ValueError(
+                f"{comm_hook.describe()['hook']} keeps state for parameters {expected[:5]}..., but the train state "
+                f"holds {'none' if state.comm is None else sorted(state.comm, key=int)[:5]}: build it with "
+                f"init_state(..., comm_hook=the same hook)"
+            )
+        # Each device sees its own hook states with a leading axis of 1.
+        mine = jax.tree.map(lambda x: x[0], state.comm)
+        grads, loss, weight, comm = grads_of(state.params, state.rest, batch, mine, state.step)
+        mine = dataclasses.replace(state, comm=mine)
+        new, metrics = _update(optimizer, schedule, mine, grads, loss, weight, comm)
+        return dataclasses.replace(new, comm=jax.tree.map(lambda x: x[None], new.comm)), metrics
+
+    spec = TrainState(P(), P(), P(), P(), P(AXIS))
+    sharded = jax.shard_map(hooked, mesh=mesh, in_specs=(spec, P(AXIS)), out_specs=(spec, P()))
+
     return jax.jit(sharded, donate_argnums=0)
 
 

@@ -16,6 +16,9 @@ parallel.strategy=zero1 moves the same bytes as two halves: a reduce-scatter per
 bytes, hidden behind backward as the all-reduces are) and an all-gather per bucket of the updated parameters
 ((N-1)/N x their bytes), which cannot start before the whole gradient's norm is known (clipping, the skip
 guard), so all of it shows. In exchange each device holds 1/N of the optimizer state.
+parallel.compression=powersgd sends each bucket as its compressed size (r(m + n) float32 numbers per compressed
+m x n gradient, the rest whole) in two all-reduces (two latencies per bucket), and adds its matrix products to the
+compute: M Q, M^T P and P Q^T are 2mnr FLOPs each, the QR about 4mr^2.
 """
 
 from __future__ import annotations
@@ -33,12 +36,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jdp.buckets import bucket_plan
+from jdp.build import comm_hook
 from jdp.config import Config, ConfigError, load_config, split_config_args, validate
-from jdp.hardware import DEFAULT_MFU, gpu_spec, link_for
+from jdp.hardware import DEFAULT_MFU, INTERCONNECTS, gpu_spec, link_for
 from jdp.metrics import flops_per_token, read_metrics
 from jdp.model import GPT, attention_scores, lm_loss
 from jdp.optim import make_optimizer
-from jdp.parallel import OptLayout
+from jdp.parallel import OptLayout, param_names
 from jdp.rundir import RunDir
 
 COMPUTE_BOUND = 0.05  # "compute-bound": the exposed all-reduce is at most 5% of the step
@@ -178,11 +182,13 @@ class Planner:
     bandwidth_gbs: float | None = None
     strategy: str = "ddp"  # or zero1
     gather_bytes: tuple[int, ...] = ()  # zero1: the same buckets of parameters, in their dtype
+    compressed_bytes: tuple[int, ...] = ()  # parallel.compression: each bucket's bytes on the wire; () if none
+    compression_flops: float = 0.0  # per device per step: the compression's matrix products
 
     def step(self, n: int, per_device_batch: int) -> Step:
         cfg = self.cfg
         tokens = per_device_batch * cfg.data.seq_len
-        compute_s = flops_per_token(cfg) * tokens / (self.peak * self.mfu)
+        compute_s = (flops_per_token(cfg) * tokens + self.compression_flops) / (self.peak * self.mfu)
         backward_s = compute_s * 2 / 3  # backward does twice forward's FLOPs
         link, busbw, latency = link_for(gpu_spec(self.gpu), n, self.interconnect, self.bandwidth_gbs)
         latency = latency if n > 1 else 0.0
@@ -192,6 +198,9 @@ class Planner:
             comm_s = (
                 ring_allreduce_s(sum(self.bucket_bytes), n, busbw) + ring_allreduce_s(sum(self.gather_bytes), n, busbw)
             ) / 2
+        elif self.compressed_bytes:  # two all-reduces per bucket (P, then Q)
+            bucket_s = [ring_allreduce_s(b, n, busbw) + 2 * latency for b in self.compressed_bytes] if n > 1 else []
+            gather_s, comm_s = [], ring_allreduce_s(sum(self.compressed_bytes), n, busbw)
         else:
             bucket_s = [ring_allreduce_s(b, n, busbw) + latency for b in self.bucket_bytes] if n > 1 else []
             gather_s, comm_s = [], ring_allreduce_s(sum(self.bucket_bytes), n, busbw)
@@ -204,7 +213,7 @@ class Planner:
             per_device_batch=per_device_batch,
             compute_s=compute_s,
             allreduce_s=comm_s,
-            latency_s=latency * (len(bucket_s) + len(gather_s)),
+            latency_s=latency * (len(bucket_s) * (2 if self.compressed_bytes else 1) + len(gather_s)),
             exposed_s=exposed,
             step_s=step_s,
             tokens_per_s=n * tokens / step_s,
@@ -260,6 +269,9 @@ class Plan:
     interconnect_note: str
     strategy: str = "ddp"
     strategies: tuple[Choice, ...] = ()  # ddp and zero1 side by side at the requested N
+    compression: tuple[tuple[str, float, float], ...] = ()  # per interconnect: (name, step s plain, compressed)
+    wire_bytes: int = 0  # with compression: the bytes all-reduced per step
+    compression_note: str = ""
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -309,6 +321,18 @@ def make_planner(
     }
     p = cfg.parallel
     buckets = bucket_plan(graphdef, lm_loss, params, rest, micro, p.bucket_mb, p.reduce_dtype)
+    compressed, flops = (), 0.0
+    if hook := comm_hook(p):
+        named = [(n, tuple(x.shape)) for n, x in zip(param_names(params), jax.tree.leaves(params), strict=True)]
+        item = jnp.dtype(p.reduce_dtype).itemsize
+        compressed = tuple(
+            sum(4 * hook.wire_elements([named[k]]) if hook.compresses(*named[k]) else item * math.prod(named[k][1])
+                for k in b.leaves)
+            for b in buckets
+        )  # fmt: skip
+        r = p.powersgd_rank
+        packed = [hook.matrix(s) for n, s in named if hook.compresses(n, s)]
+        flops = sum(6 * m * n * r + 4 * m * r * r for m, n in packed)
     return Planner(
         cfg=cfg,
         gpu=gpu,
@@ -322,6 +346,8 @@ def make_planner(
         bandwidth_gbs=bandwidth_gbs,
         strategy=cfg.parallel.strategy,
         gather_bytes=tuple(b.elements * jnp.dtype(cfg.model.param_dtype).itemsize for b in buckets),
+        compressed_bytes=compressed,
+        compression_flops=flops,
     )
 
 
@@ -367,6 +393,8 @@ def make_plan(
         total = memory.total - memory.opt_state + opt
         choices.append(Choice(strategy, opt, total, s.exposed_s, s.step_s, s.tokens_per_s))
 
+    compression, compression_note = _compression(planner, devices, b)
+
     def with_bound(n: int) -> Step:
         return dataclasses.replace(planner.step(n, b), compute_bound_batch=planner.compute_bound_batch(n))
 
@@ -390,7 +418,34 @@ def make_plan(
         interconnect_note=note,
         strategy=cfg.parallel.strategy,
         strategies=tuple(choices),
+        compression=compression,
+        compression_note=compression_note,
+        wire_bytes=sum(planner.compressed_bytes),
     )
+
+
+def _compression(planner: Planner, n: int, batch: int) -> tuple[tuple, str]:
+    """With compression on: the step without and with it at N devices over every known interconnect, and what
+    it sends. Where the exposed all-reduce is larger than the compression's compute, it pays."""
+    if not planner.compressed_bytes:
+        return (), ""
+    p = planner.cfg.parallel
+    plain = dataclasses.replace(planner, compressed_bytes=(), compression_flops=0.0)
+    rows = []
+    for name in INTERCONNECTS:
+        over = {"interconnect": name, "bandwidth_gbs": None}
+        rows.append(
+            (name, dataclasses.replace(plain, **over).step(n, batch).step_s,
+             dataclasses.replace(planner, **over).step(n, batch).step_s)
+        )  # fmt: skip
+    sent, whole = sum(planner.compressed_bytes), sum(planner.bucket_bytes)
+    extra = planner.compression_flops / (planner.peak * planner.mfu)
+    note = (
+        f"parallel.compression=powersgd (rank {p.powersgd_rank}): {_size(sent)} on the wire per step instead of "
+        f"{_size(whole)} ({whole / sent:.1f} x fewer), + {_ms(extra)} ms of compression compute "
+        f"({planner.compression_flops / 1e9:.2f} GFLOP) per step after the first {p.powersgd_warmup} steps"
+    )
+    return tuple(rows), note
 
 
 # ---- Output ----
@@ -443,6 +498,7 @@ def format_plan(plan: Plan, cfg: Config) -> str:
         "",
     ]
     lines += _strategy_lines(plan)
+    lines += _compression_lines(plan)
     if s.compute_bound_batch is not None:
         b = s.compute_bound_batch
         act = activation_bytes(cfg, b // ga, plan.fused_attention)
@@ -475,10 +531,13 @@ def _communication_lines(plan: Plan, cfg: Config) -> list[str]:
             f"(they wait for the whole gradient's norm)"
         )
     elif n > 1:
+        what, calls = f"{_size(grad_bytes)} of {p.reduce_dtype} gradients", f"{len(plan.bucket_bytes)} bucket(s)"
+        if plan.wire_bytes:
+            what = f"{_size(plan.wire_bytes)} of PowerSGD factors and uncompressed gradients"
+            calls = f"2 x {len(plan.bucket_bytes)} all-reduces"
         out.append(
-            f"  all-reduce  {_ms(s.comm_s):>9} ms   ring: 2({n}-1)/{n} x {_size(grad_bytes)} of {p.reduce_dtype} "
-            f"gradients / {s.busbw_gbs:g} GB/s ({s.link}) = {_ms(s.allreduce_s)} ms, + {_ms(s.latency_s)} ms "
-            f"latency of {len(plan.bucket_bytes)} bucket(s) (parallel.bucket_mb={p.bucket_mb:g})"
+            f"  all-reduce  {_ms(s.comm_s):>9} ms   ring: 2({n}-1)/{n} x {what} / {s.busbw_gbs:g} GB/s ({s.link}) = "
+            f"{_ms(s.allreduce_s)} ms, + {_ms(s.latency_s)} ms latency of {calls} (parallel.bucket_mb={p.bucket_mb:g})"
         )
         how = (
             "the last bucket, or what does not fit inside backward (2/3 of compute)"
@@ -503,6 +562,17 @@ def _strategy_lines(plan: Plan) -> list[str]:
             f"exposed {_ms(c.exposed_s):>8} ms  step {_ms(c.step_s):>9} ms  {c.tokens_per_s:>14,.0f} tokens/s  "
             f"{fit_note(c.memory_total, plan.gpu)}"
         )
+    return [*out, ""]
+
+
+def _compression_lines(plan: Plan) -> list[str]:
+    """Where compression pays: the step at the requested N over each interconnect, without and with it."""
+    if not plan.compression:
+        return []
+    out = [plan.compression_note, f"step on {plan.devices} x {plan.gpu} by interconnect, without and with it:"]
+    for name, plain, compressed in plan.compression:
+        verdict = f"{plain / compressed:.2f} x faster" if compressed < plain else f"{compressed / plain:.2f} x slower"
+        out.append(f"  {name:<14} {_ms(plain):>9} ms -> {_ms(compressed):>9} ms   {verdict}")
     return [*out, ""]
 
 

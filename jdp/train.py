@@ -113,7 +113,7 @@ def setup(cfg: Config, world: World, phases: Phases) -> Setup:
         with phases(f"reading {t.init_from}"):
             model, imported = hf.load_model(cfg.model, t.init_from)
     with phases("building the model and compiling"):
-        graphdef, state, train_step, n_params, optimizer = build(cfg, mesh, model if imported else None)
+        graphdef, state, train_step, n_params, optimizer, hook = build(cfg, mesh, model if imported else None)
         eval_step = parallel.make_eval_step(graphdef, lm_loss, mesh)
     with phases("looking for checkpoints"):
         if not t.resume and is_main and (archived := run_dir.archive()):
@@ -123,8 +123,12 @@ def setup(cfg: Config, world: World, phases: Phases) -> Setup:
         start, resumed_from = 0, None
         layout = parallel.OptLayout.of(cfg.parallel.strategy, mesh)
 
+        comm = parallel.comm_record(hook, state)
+
         def target(record):  # the checkpoint's optimizer state may be laid out for another strategy or device count
-            return parallel.restore_target(state, optimizer, mesh, cfg.parallel.strategy, layout.of_record(record))
+            like = parallel.restore_target(state, optimizer, mesh, cfg.parallel.strategy, layout.of_record(record))
+            # the hook's saved state is read only into the same hook on as many devices; else it starts afresh
+            return like if record.get("comm") == comm else dataclasses.replace(like, comm=None)
 
         if t.resume and (restored := ckpts.restore_latest(state, lambda r: check_resumable(r, cfg), target)):
             start, state, record = restored
@@ -133,6 +137,8 @@ def setup(cfg: Config, world: World, phases: Phases) -> Setup:
                 state = parallel.relayout(state, optimizer, mesh, cfg.parallel.strategy)
                 if is_main:
                     print(f"jdp | optimizer state moved from {saved.describe()} to {layout.describe()}")
+            if record.get("comm") != comm and is_main and (record.get("comm") or comm):
+                print(f"jdp | {comm_change(record.get('comm'), comm)}")
             if cfg.data.streaming:
                 data.train.load_state_dict(json.loads(run_dir.data_state(start, jax.process_index()).read_text()))
         lost = lost_steps(run_dir.metrics, start) if resumed_from is not None else 0
@@ -157,8 +163,21 @@ def setup(cfg: Config, world: World, phases: Phases) -> Setup:
     )
     return Setup(
         cfg, derived, mesh, data, graphdef, state, train_step, eval_step, parallel.make_replica_digest(mesh), run_dir,
-        ckpts, start, resumed_from, lost, log, peak, phases, Faults(),
+        ckpts, start, resumed_from, lost, log, peak, phases, Faults(), comm,
     )  # fmt: skip
+
+
+def comm_change(saved: dict | None, now: dict | None) -> str:
+    """What a resume does with the communication hook's state when the checkpoint's is not today's."""
+    if now is None:
+        return f"the checkpoint's {saved['hook']} state is not used (parallel.compression=none)"
+    if saved is None:
+        return f"{now['hook']} starts with fresh state (the checkpoint has none)"
+    return (
+        f"{now['hook']} starts with fresh state: the checkpoint's was saved for {saved['hook']} on "
+        f"{saved['devices']} devices (rank {saved.get('rank')}), this run is {now['hook']} on {now['devices']} "
+        f"(rank {now.get('rank')}); PowerSGD's error feedback restarts from zero"
+    )
 
 
 def checked_import(cfg: Config) -> Config:
@@ -183,11 +202,22 @@ def banner(cfg: Config, world: World, derived, data, n_params, peak, peak_source
             f"jdp | model {n_params:,} parameters | {flops_per_token(cfg) / 1e6:.1f} MFLOPs/token | MFU peak: "
             f"{peak / 1e12:.3g} TFLOP/s, {peak_source}",
             f"jdp | {derived.describe()}",
-            f"jdp | parallel.strategy={par.strategy} bucket_mb={par.bucket_mb:g} reduce_dtype={par.reduce_dtype} | "
+            f"jdp | parallel.strategy={par.strategy} bucket_mb={par.bucket_mb:g} reduce_dtype={par.reduce_dtype}"
+            f"{compression(par)} | "
             f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
             f"jdp | data {data.describe()}{epochs}",
             f"jdp | run dir {run_dir.path} | {where} | compile cache {cache or 'off (train.compile_cache=false)'}",
         ]
+    )
+
+
+def compression(par) -> str:
+    if par.compression == "none":
+        return ""
+    feedback = "with" if par.powersgd_error_feedback else "without"
+    return (
+        f" compression=powersgd (rank {par.powersgd_rank}, {feedback} error feedback, plain all-reduce for the first "
+        f"{par.powersgd_warmup} steps)"
     )
 
 

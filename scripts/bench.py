@@ -1,6 +1,6 @@
 """jdp's speed, measured side by side in one run and reported as ratios (README, Performance).
 
-    python scripts/bench.py --out DIR [--config tiny] [--processes 2] [--rounds 5]
+    python scripts/bench.py --out DIR [--config tiny] [--processes 2] [--rounds 5] [--only powersgd ...]
 
 Writes DIR/bench.json and prints a table. Every ratio compares two things timed in the same run,
 alternating in rounds, so the machine's background load hits both sides alike:
@@ -15,6 +15,9 @@ alternating in rounds, so the machine's background load hits both sides alike:
                     faster). On a CPU the devices are simulated and share the same cores.
   zero1_vs_ddp      step time of parallel.strategy=zero1 over that of ddp (< 1: zero1 is faster), on 4 devices of
                     one process and on 2 processes (`jdp launch`), with the optimizer bytes one device holds.
+  powersgd          parallel.compression=powersgd (rank 4, no warm-up) against plain ddp on 2 processes
+                    (`jdp launch`, gloo on CPU): the bytes each step all-reduces (from the compiled programs, as
+                    `jdp allreduce` reports them) and the step time ratio (> 1: PowerSGD is faster).
   loader_vs_step    the loader's tokens/s over the tokens/s one training step consumes.
   mfu               achieved model FLOP/s over the peak: the measured matmul rate on a CPU, the datasheet on a GPU.
 
@@ -87,7 +90,7 @@ def measure_single(config: str, overrides: list[str], rounds: int, steps: int) -
     tokens_per_step = t.batch_size * cfg.data.seq_len
 
     # jdp: exactly the objects and per-step host work of jdp.train's loop.
-    _, state, train_step, _, _ = build(cfg, mesh)
+    _, state, train_step, *_ = build(cfg, mesh)
     loader = Prefetcher(data.local_batch, 0, 10**9, cfg.data.prefetch)
     batches = iter(loader)
     pending = [None]
@@ -200,7 +203,7 @@ def measure_strategies(config: str, overrides: list[str], rounds: int, steps: in
     first = mesh.devices.flat[0]
     for strategy in strategies:
         c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, strategy=strategy))
-        _, state, step, _, _ = build(c, mesh)
+        _, state, step, *_ = build(c, mesh)
         state, m = step(state, batch)
         jax.block_until_ready(m)
         runs[strategy] = [state, step]
@@ -262,6 +265,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5, help="steps per timing round")
     ap.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8], help="device counts for ddp_vs_dp")
     ap.add_argument("--skip-torch", action="store_true", help="no PyTorch comparison (torch not installed)")
+    ap.add_argument("--only", nargs="+", choices=SECTIONS, default=SECTIONS, help="measure only these")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="section.key=value for the config")
     a = ap.parse_args()
@@ -278,7 +282,27 @@ def main() -> int:
     results: dict = {"config": a.config, "overrides": a.overrides, "platform": "gpu" if gpu else "cpu"}
     results["host"] = host(a.config, a.overrides)
     print(f"[bench] {describe_host(results['host'])}", flush=True)
+    if "single" in a.only:
+        single_device(a, gpu, results)
+    if "ddp_dp" in a.only:
+        ddp_vs_dp(a, gpu, results)
+    if "zero1" in a.only:
+        zero1_vs_ddp(a, gpu, out, results)
+    if "powersgd" in a.only:
+        powersgd_vs_ddp(a, gpu, out, results)
+    if "torch" in a.only and not a.skip_torch:
+        jdp_vs_torch(a, gpu, out, results)
+    results["wall_s"] = time.time() - started
+    (out / "bench.json").write_text(json.dumps(results, indent=1))
+    print(table(results))
+    print(f"[bench] wrote {out / 'bench.json'} in {results['wall_s']:.0f} s")
+    return 0
 
+
+SECTIONS = ["single", "ddp_dp", "zero1", "powersgd", "torch"]
+
+
+def single_device(a, gpu: bool, results: dict) -> None:
     print(f"[bench] jdp vs bare JAX, loader, MFU: 1 device, {a.rounds} rounds of {a.steps} steps", flush=True)
     single = child(
         "single",
@@ -289,6 +313,8 @@ def main() -> int:
     results["host"]["keep_scratch_memory"] = single["keep_scratch_memory"]
     results["single_device"] = single
 
+
+def ddp_vs_dp(a, gpu: bool, results: dict) -> None:
     ddp_dp = {}
     counts = [n for n in a.devices if not gpu or n <= _gpu_count()]
     for n in counts:
@@ -298,6 +324,8 @@ def main() -> int:
     results["ddp_vs_dp"] = {n: r["ddp_vs_dp"] for n, r in ddp_dp.items()}
     results["ddp_vs_dp_detail"] = ddp_dp
 
+
+def zero1_vs_ddp(a, gpu: bool, out: Path, results: dict) -> None:
     n = min(4, _gpu_count()) if gpu else 4
     print(f"[bench] zero1 vs ddp on {n} device(s) of one process, then on 2 processes", flush=True)
     args = ["--config", a.config, "--rounds", str(a.rounds), "--steps", str(a.steps), *a.overrides]
@@ -315,24 +343,39 @@ def main() -> int:
     }
     results["zero1_vs_ddp_detail"] = zero1
 
-    if not a.skip_torch:
-        from jdp.config import load_config
 
-        cfg = load_config(a.config, a.overrides)
-        processes = a.processes or (_gpu_count() if gpu else 2)
-        steps = max(20, 4 * a.steps)
-        jdp_runs, torch_runs = [], []
-        for r in range(max(2, a.rounds - 1)):
-            print(f"[bench] jdp vs PyTorch DDP, {processes} processes, round {r + 1}", flush=True)
-            jdp_runs.append(jdp_launch_tps(a.config, a.overrides, processes, steps, out, gpu))
-            torch_runs.append(torch_ddp_tps(a.config, processes, cfg.train.batch_size, steps, cfg.model.dtype))
-        results["jdp_vs_torch_ddp"] = statistics.median(jdp_runs) / statistics.median(torch_runs)
-        results["torch_ddp"] = {"processes": processes, "jdp_tokens_per_s": jdp_runs, "torch_tokens_per_s": torch_runs}
-    results["wall_s"] = time.time() - started
-    (out / "bench.json").write_text(json.dumps(results, indent=1))
-    print(table(results))
-    print(f"[bench] wrote {out / 'bench.json'} in {results['wall_s']:.0f} s")
-    return 0
+def powersgd_vs_ddp(a, gpu: bool, out: Path, results: dict) -> None:
+    print("[bench] PowerSGD vs plain ddp on 2 processes: bytes per step, then step time", flush=True)
+    compress = ["parallel.compression=powersgd", "parallel.powersgd_rank=4", "parallel.powersgd_warmup=0"]
+    cmd = [sys.executable, "-m", "jdp.cli", "allreduce", a.config, *a.overrides, *compress, "--devices", "2", "--json"]
+    report = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=True)
+    numbers = json.loads(report.stdout.strip().splitlines()[-1])
+    steps = max(20, 4 * a.steps)
+    launched = {"ddp": [], "powersgd": []}
+    for _ in range(2):
+        for name, extra in (("ddp", []), ("powersgd", compress)):
+            launched[name].append(jdp_launch_tps(a.config, [*a.overrides, *extra], 2, steps, out, gpu))
+    results["powersgd"] = {
+        "bytes_per_step": numbers["bytes_per_step"],
+        "bytes_per_step_uncompressed": numbers["bytes_per_step_uncompressed"],
+        "speedup_2_processes": statistics.median(launched["powersgd"]) / statistics.median(launched["ddp"]),
+        "tokens_per_s": launched,
+    }
+
+
+def jdp_vs_torch(a, gpu: bool, out: Path, results: dict) -> None:
+    from jdp.config import load_config
+
+    cfg = load_config(a.config, a.overrides)
+    processes = a.processes or (_gpu_count() if gpu else 2)
+    steps = max(20, 4 * a.steps)
+    jdp_runs, torch_runs = [], []
+    for r in range(max(2, a.rounds - 1)):
+        print(f"[bench] jdp vs PyTorch DDP, {processes} processes, round {r + 1}", flush=True)
+        jdp_runs.append(jdp_launch_tps(a.config, a.overrides, processes, steps, out, gpu))
+        torch_runs.append(torch_ddp_tps(a.config, processes, cfg.train.batch_size, steps, cfg.model.dtype))
+    results["jdp_vs_torch_ddp"] = statistics.median(jdp_runs) / statistics.median(torch_runs)
+    results["torch_ddp"] = {"processes": processes, "jdp_tokens_per_s": jdp_runs, "torch_tokens_per_s": torch_runs}
 
 
 def host(config: str, overrides: list[str]) -> dict:
@@ -354,13 +397,15 @@ def describe_host(h: dict) -> str:
 
 
 def table(r: dict) -> str:
-    s = r["single_device"]
-    rows = [
-        ("jdp_vs_bare", f"{r['jdp_vs_bare']:.3f}", f"jdp {s['jdp_step_s'] * 1e3:.0f} ms/step, bare {s['bare_step_s'] * 1e3:.0f} ms/step"),
-        ("loader_vs_step", f"{r['loader_vs_step']:,.0f}", f"loader {s['loader_tokens_per_s']:,.0f} tokens/s, step {s['jdp_tokens_per_s']:,.0f} tokens/s"),
-        ("mfu", f"{r['mfu']:.1%}", f"of {s['peak_flops'] / 1e12:.3g} TFLOP/s ({s['peak_source']})"),
-    ]  # fmt: skip
-    for n, v in r["ddp_vs_dp"].items():
+    rows = []
+    if "single_device" in r:
+        s = r["single_device"]
+        rows += [
+            ("jdp_vs_bare", f"{r['jdp_vs_bare']:.3f}", f"jdp {s['jdp_step_s'] * 1e3:.0f} ms/step, bare {s['bare_step_s'] * 1e3:.0f} ms/step"),
+            ("loader_vs_step", f"{r['loader_vs_step']:,.0f}", f"loader {s['loader_tokens_per_s']:,.0f} tokens/s, step {s['jdp_tokens_per_s']:,.0f} tokens/s"),
+            ("mfu", f"{r['mfu']:.1%}", f"of {s['peak_flops'] / 1e12:.3g} TFLOP/s ({s['peak_source']})"),
+        ]  # fmt: skip
+    for n, v in r.get("ddp_vs_dp", {}).items():
         d = r["ddp_vs_dp_detail"][n]
         rows.append(
             (
@@ -386,6 +431,17 @@ def table(r: dict) -> str:
                 "zero1_vs_ddp (2 proc)",
                 f"{r['zero1_vs_ddp']['2_processes']:.3f}",
                 f"zero1 {statistics.median(t['zero1']):,.0f}, ddp {statistics.median(t['ddp']):,.0f} tokens/s",
+            )
+        )
+    if "powersgd" in r:
+        p = r["powersgd"]
+        t = p["tokens_per_s"]
+        rows.append(
+            (
+                "powersgd (2 proc)",
+                f"{p['speedup_2_processes']:.3f}",
+                f"{p['bytes_per_step']:,} bytes all-reduced per step against {p['bytes_per_step_uncompressed']:,}; "
+                f"powersgd {statistics.median(t['powersgd']):,.0f}, ddp {statistics.median(t['ddp']):,.0f} tokens/s",
             )
         )
     if "jdp_vs_torch_ddp" in r:

@@ -34,7 +34,7 @@ def main() -> None:
     from jdp.build import build
 
     mesh = parallel.make_mesh()
-    _, state, step, _, _ = build(cfg, mesh)
+    _, state, step, *_ = build(cfg, mesh)
     rng = np.random.default_rng(0)
     shape = (cfg.train.batch_size, cfg.data.seq_len)
     local = {

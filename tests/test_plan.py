@@ -80,7 +80,7 @@ def test_activation_estimate_matches_the_compiled_step(overrides):
     it), plus the gradient accumulator with train.grad_accum > 1."""
     cfg = load_config("tiny", overrides)
     mesh = parallel.make_mesh(jax.devices()[:1])
-    _, state, train_step, _, _ = build(cfg, mesh)
+    _, state, train_step, *_ = build(cfg, mesh)
     temp = train_step.lower(state, batch_spec(cfg, mesh)).compile().memory_analysis().temp_size_in_bytes
     accumulator = sum(x.nbytes for x in jax.tree.leaves(state.params)) if cfg.train.grad_accum > 1 else 0
     micro = cfg.train.batch_size // cfg.train.grad_accum
@@ -116,6 +116,30 @@ def test_communication_is_the_ring_formula(reduce_dtype):
         one = p.step(1, 8)
         assert one.allreduce_s == one.latency_s == one.exposed_s == 0
         assert one.step_s == one.compute_s
+
+
+def test_powersgd_sends_its_factors_in_two_all_reduces_and_pays_where_links_are_slow():
+    rank = 4
+    cfg = load_config("tiny", [*TINY, "parallel.compression=powersgd", f"parallel.powersgd_rank={rank}"])
+    planner = plan.make_planner(cfg, interconnect="ib-ndr")
+    plain = plan.make_planner(load_config("tiny", TINY), interconnect="ib-ndr")
+    shapes = [x.shape for x in jax.tree.leaves(nnx.state(GPT(cfg.model, nnx.Rngs(0)), nnx.Param))]
+    packed = [(s[0], math.prod(s[1:])) for s in shapes if len(s) >= 2]
+    packed = [(m, n) for m, n in packed if m * n >= 2 * rank * (m + n)]
+    wire = 4 * sum(rank * (m + n) for m, n in packed) + 4 * sum(math.prod(s) for s in shapes if len(s) < 2)
+    wire += 4 * sum(math.prod(s) for s in shapes if len(s) >= 2 and (s[0], math.prod(s[1:])) not in packed)
+    assert sum(planner.compressed_bytes) == wire and len(planner.compressed_bytes) == len(plain.bucket_bytes)
+    assert wire == 151_560 - 8  # what `jdp allreduce tiny parallel.compression=powersgd` finds, less the loss
+    assert planner.compression_flops == sum(6 * m * n * rank + 4 * m * rank**2 for m, n in packed)
+    s, t = planner.step(8, 8), plain.step(8, 8)
+    assert math.isclose(s.allreduce_s, 2 * 7 / 8 * wire / 368e9, rel_tol=1e-12)
+    assert math.isclose(s.latency_s, 2 * t.latency_s, rel_tol=1e-12)  # P, then Q: two all-reduces per bucket
+    assert s.compute_s > t.compute_s
+    p = plan.make_plan(cfg, 8)
+    rows = {name: (a, b) for name, a, b in p.compression}
+    assert set(rows) == set(hardware.INTERCONNECTS)
+    assert rows["ethernet-100g"][1] < rows["ethernet-100g"][0]  # a slow network: compression pays
+    assert "x fewer" in p.compression_note and plan.make_plan(load_config("tiny", TINY), 8).compression == ()
 
 
 def test_zero1_holds_one_nth_of_the_optimizer_state_and_moves_the_same_bytes():
