@@ -5,9 +5,6 @@ import math
 import os
 import re
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from test_faults import ckpt_steps, losses, run, summary
+from test_faults import ckpt_steps, killed_at_save_then_resumed, losses, run
+from test_library import readme_block, run_on_four_devices
 from test_zero1 import CFG, make_batch, optimizer
 
 from jdp import parallel
@@ -23,8 +21,6 @@ from jdp.config import ConfigError, load_config, validate
 from jdp.hlo import collectives, compiled_text
 from jdp.hooks import GradBucket, Mean, PowerSGD
 from jdp.model import GPT, lm_loss
-
-README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def setup(n_devices, hook, bucket_mb=0.005):
@@ -174,18 +170,8 @@ def test_compression_needs_ddp_and_sane_knobs():
     assert "parallel.powersgd_rank=0 must be" in str(e.value) and "parallel.powersgd_min_ratio=0.5" in str(e.value)
 
 
-def readme_hook_example() -> str:
-    match = re.search(r"<!-- hook-example[^>]*-->\s*```python\n(.*?)```", README.read_text(), re.S)
-    assert match, "README.md lost its communication hook example"
-    return match.group(1)
-
-
 def test_readme_custom_hook_example_trains_on_four_devices(tmp_path):
-    script = tmp_path / "hook_example.py"
-    script.write_text(readme_hook_example())
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_on_four_devices(tmp_path, readme_block("hook-example"))
     match = re.search(r"float16 hook: loss ([\d.]+) \(mean: ([\d.]+)\), replicas differ: (\[.*\])", out.stdout)
     assert match, out.stdout
     assert match.group(3) == "[]"
@@ -213,14 +199,10 @@ def reference(env, tmp_path_factory):
 
 @pytest.mark.slow
 def test_powersgd_sigkill_then_resume_is_bit_identical(reference, env, tmp_path):
-    d = tmp_path / "killed"
     extra = ["train.steps=8", "train.ckpt_every=4", *POWERSGD]
-    out = run(d, env, (1, 4), extra, hooks={"JDP_TEST_KILL": "8:save"}, check=False)
-    assert out.returncode != 0 and ckpt_steps(d) == [4]
-    out = run(d, env, (1, 4), extra)
+    out = killed_at_save_then_resumed(tmp_path / "killed", env, extra, reference)
+    assert "resuming from the checkpoint at step 4" in out.stdout
     assert "fresh state" not in out.stdout  # the error buffers and Q came back from the checkpoint
-    assert summary(d)["params_sha256"] == summary(reference)["params_sha256"]
-    assert losses(d) == losses(reference)
 
 
 @pytest.mark.slow

@@ -9,19 +9,25 @@ from pathlib import Path
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-def readme_example() -> str:
-    text = README.read_text()
-    match = re.search(r"<!-- library-example[^>]*-->\s*```python\n(.*?)```", text, re.S)
-    assert match, "README.md lost its library example block"
+def readme_block(marker: str) -> str:
+    """The Python block after `<!-- MARKER ... -->` in README.md."""
+    match = re.search(rf"<!-- {marker}[^>]*-->\s*```python\n(.*?)```", README.read_text(), re.S)
+    assert match, f"README.md lost its {marker} block"
     return match.group(1)
 
 
-def test_readme_library_example_trains_on_four_devices(tmp_path):
+def run_on_four_devices(tmp_path, code: str) -> subprocess.CompletedProcess:
+    """Run `code` as a script on 4 simulated CPU devices; it must exit 0."""
     script = tmp_path / "example.py"
-    script.write_text(readme_example())
+    script.write_text(code)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def test_readme_library_example_trains_on_four_devices(tmp_path):
+    out = run_on_four_devices(tmp_path, readme_block("library-example"))
     match = re.search(r"final loss ([\d.]+) on (\d+) devices", out.stdout)
     assert match, out.stdout
     assert int(match.group(2)) == 4

@@ -11,7 +11,7 @@ import optax
 import pytest
 import test_parallel
 from flax import nnx
-from test_faults import ckpt_steps, losses, run, summary
+from test_faults import killed_at_save_then_resumed, losses, run, summary
 from test_parallel import params_close, rel_diff
 
 from jdp import parallel
@@ -199,14 +199,9 @@ def test_checkpoint_continues_under_another_strategy_or_device_count(runs, env, 
 
 @pytest.mark.slow
 def test_zero1_sigkill_then_resume_is_bit_identical(runs, env, tmp_path):
-    d = tmp_path / "killed"
-    extra = ["train.steps=8", "train.ckpt_every=4", *ZERO1]
-    # Killed while writing checkpoint 8: orbax finished 4 before it started 8, which is never seen (atomic).
-    out = run(d, env, (1, 4), extra, hooks={"JDP_TEST_KILL": "8:save"}, check=False)
-    assert out.returncode != 0 and ckpt_steps(d) == [4]
-    run(d, env, (1, 4), extra)
-    assert summary(d)["params_sha256"] == summary(runs["zero1"])["params_sha256"]
-    assert losses(d) == losses(runs["zero1"])
+    killed_at_save_then_resumed(
+        tmp_path / "killed", env, ["train.steps=8", "train.ckpt_every=4", *ZERO1], runs["zero1"]
+    )
 
 
 def _metric(run_dir, key):
