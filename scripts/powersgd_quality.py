@@ -1,11 +1,11 @@
 """PowerSGD's quality: the same training with plain all-reduces, PowerSGD with error feedback and without it.
 
-    python scripts/powersgd_quality.py --out DIR [--devices 4] [--rank 4] [--warmup 30] [key=value ...]
+    python scripts/powersgd_quality.py --out DIR [--devices 4] [--rank 4] [--warmup 100] [key=value ...]
 
 Runs `jdp train tiny train.steps=300` (override with key=value) three times on N simulated CPU devices, one
 after another, then prints each run's final eval loss and its distance from the uncompressed run, and plots the
-three loss curves (`jdp plot`) to DIR/powersgd.png. About 8 minutes on a 2-core CPU (README, Communication hooks
-and PowerSGD).
+three loss curves (`jdp plot`) to DIR/powersgd.png. key=value overrides apply to all three runs, e.g.
+parallel.powersgd_uncompressed=embed. About 8 minutes on a 2-core CPU (README, Communication hooks and PowerSGD).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def main() -> int:
     ap.add_argument("--config", default="tiny")
     ap.add_argument("--devices", type=int, default=4)
     ap.add_argument("--rank", type=int, default=4)
-    ap.add_argument("--warmup", type=int, default=30, help="plain all-reduce steps first (10%% of 300)")
+    ap.add_argument("--warmup", type=int, default=100, help="plain all-reduce steps first (the default)")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={a.devices}", "JAX_PLATFORMS": "cpu"}
