@@ -48,7 +48,9 @@ def main() -> int:
     for name, loss in final.items():
         print(f"{name:<22} final eval loss {loss:.4f}  {100 * (loss / final['plain'] - 1):+.1f}% against plain")
     png = a.out / "powersgd.png"
-    subprocess.run([sys.executable, "-m", "jdp.cli", "plot", *(str(a.out / n) for n in runs), "-o", str(png)], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "jdp.cli", "plot", *(str(a.out / n) for n in runs), "-o", str(png)], check=True
+    )
     (a.out / "powersgd.json").write_text(json.dumps(final, indent=1))
     return 0
 

@@ -22,10 +22,16 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
 
 import pytest  # noqa: E402
 
 from jdp.launch import free_port  # noqa: E402
+
+
+class Results(list):
+    ended: list[float]
 
 
 def spawn_processes(
@@ -33,7 +39,8 @@ def spawn_processes(
 ):
     """Run `python argv...` as n real processes of one jax.distributed job on 127.0.0.1; wait for all.
 
-    Returns [(returncode, stdout, stderr)] by process id. Every process is killed at the timeout.
+    Returns [(returncode, stdout, stderr)] by process id, with `.ended`: when each process exited
+    (time.monotonic()). Every process is killed at the timeout.
     """
     port = free_port()
     procs = []
@@ -51,11 +58,25 @@ def spawn_processes(
                 [sys.executable, *argv], env=penv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
             )
         )
-    results = []
+    results, ended, outputs = Results(), [0.0] * len(procs), [None] * len(procs)
+
+    def wait(i: int, p: subprocess.Popen) -> None:
+        try:
+            outputs[i] = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            outputs[i] = p.communicate()
+        ended[i] = time.monotonic()
+
+    threads = [threading.Thread(target=wait, args=(i, p), daemon=True) for i, p in enumerate(procs)]
     try:
-        for p in procs:
-            out, err = p.communicate(timeout=timeout)
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for p, (out, err) in zip(procs, outputs, strict=True):
             results.append((p.returncode, out, err))
+        results.ended = ended
     finally:
         for p in procs:
             if p.poll() is None:
