@@ -225,3 +225,38 @@ def test_powersgd_on_two_processes_keeps_replicas_identical(reference, env, tmp_
     got, want = losses(d), losses(reference)
     assert got.keys() == want.keys()
     assert all(abs(got[k] - want[k]) <= 1e-4 * abs(want[k]) for k in want)
+
+
+def test_a_checkpoint_written_before_hooks_existed_restores(tmp_path):
+    """Checkpoints used to hold the four-field TrainState as their one `state` item: they restore unchanged, into a
+    state with or without a hook (which then keeps its fresh state)."""
+    import dataclasses
+
+    import orbax.checkpoint as ocp
+
+    from jdp.checkpoint import Checkpoints, checksums
+
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass
+    class FourFields:  # TrainState as it was before it had `comm`
+        step: jax.Array
+        params: dict
+        opt_state: tuple
+        rest: dict
+
+    _, state, _ = setup(2, None)
+    old = FourFields(state.step + 3, state.params, state.opt_state, state.rest)
+    ckpts = Checkpoints(tmp_path, keep=2)
+    args = ocp.args.Composite(
+        state=ocp.args.StandardSave(old), record=ocp.args.JsonSave({"step": 3, "checksums": checksums(old)})
+    )
+    ckpts.manager.save(3, args=args)
+    ckpts.wait()
+    for hook in (None, PowerSGD(rank=2)):
+        _, like, _ = setup(2, hook)
+        restored, _ = ckpts.restore(3, like)
+        assert int(restored.step) == 3
+        for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(state.params), strict=True):
+            assert np.array_equal(np.asarray(a), np.asarray(b))
+        assert restored.comm is like.comm  # none saved: the hook's fresh state, or None
+    ckpts.close()
