@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import difflib
 import json
 import math
 from dataclasses import dataclass, field
@@ -48,6 +49,10 @@ class DataConfig:
     streaming: bool = False  # read an IterableDataset: each process its own shards, packed on the fly
     prefetch: int = 2  # batches prepared ahead on a background thread; 0 prepares them in the loop
     encoding_errors: str = "strict"  # text/json/csv files not valid UTF-8: strict (an error), replace or ignore
+    text_unit: str = "file"  # .txt files: one document per file, per line, or per paragraph (blank-line separated)
+    # validation: "auto" (the dataset's `validation` or `test` split when it has one, else documents held out of
+    # data.split), a split's name, or "holdout" (always held out of data.split)
+    val_split: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,7 @@ class TrainConfig:
     wandb_project: str = ""  # a Weights & Biases project name switches W&B logging on (needs `pip install wandb`)
     compile_cache: bool = True  # JAX's persistent compilation cache under the jdp cache: restarts skip compiling
     init_from: str = ""  # a local Hugging Face GPT-2 directory to start from (a resumed run uses its checkpoint)
+    memory_check: bool = True  # refuse, before allocating, a run whose planned bytes per device exceed the device's
 
 
 @dataclass(frozen=True)
@@ -136,11 +142,26 @@ def valid_keys() -> list[str]:
 
 def _field_type(section: str, key: str) -> type:
     if section not in _SECTION_TYPES:
+        hint = _did_you_mean(section, list(_SECTION_TYPES))
+        if hint:
+            raise ConfigError(f"unknown config section {section!r}{hint}\nthe sections: {', '.join(_SECTION_TYPES)}")
         raise ConfigError(f"unknown config section {section!r}; valid keys:\n  " + "\n  ".join(valid_keys()))
     for f in dataclasses.fields(_SECTION_TYPES[section]):
         if f.name == key:
             return _TYPES[f.type]
-    raise ConfigError(f"unknown config key '{section}.{key}'; valid keys:\n  " + "\n  ".join(valid_keys()))
+    dotted = f"{section}.{key}"
+    if hint := _did_you_mean(dotted, valid_keys()):
+        keys = [k for k in valid_keys() if k.startswith(f"{section}.")]
+        raise ConfigError(f"unknown config key '{dotted}'{hint}\nthe keys of {section}: {', '.join(keys)}")
+    raise ConfigError(f"unknown config key '{dotted}'; valid keys:\n  " + "\n  ".join(valid_keys()))
+
+
+def _did_you_mean(name: str, names: list[str]) -> str:
+    """`: did you mean train.steps?` for the nearest names (a typo, a missing letter, the wrong section)."""
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.75)
+    if not close and "." in name:  # the right key in the wrong section: data.steps -> train.steps
+        close = [k for k in names if k.split(".")[1] == name.split(".")[1]]
+    return f": did you mean {' or '.join(close)}?" if close else ""
 
 
 def _coerce(where: str, typ: type, value: Any, from_text: bool) -> Any:
@@ -192,6 +213,11 @@ def split_config_args(args: list[str] | tuple[str, ...]) -> tuple[str, list[str]
     if args and "=" not in args[0]:
         return args[0], args[1:]
     return DEFAULT_CONFIG, args
+
+
+def explicit_keys(overrides: list[str] | tuple[str, ...]) -> frozenset[str]:
+    """The keys the command line sets (`model.d_model=64` -> `model.d_model`), as opposed to the config file's."""
+    return frozenset(item.split("=", 1)[0] for item in overrides if "=" in item)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -275,6 +301,7 @@ CHOICES = {
     "model.param_dtype": DTYPES,
     "model.attention": ("auto", "einsum", "xla", "cudnn"),
     "data.encoding_errors": ("strict", "replace", "ignore"),
+    "data.text_unit": ("file", "line", "paragraph"),
     "optim.name": ("adamw", "sgd"),
     "parallel.strategy": ("ddp", "zero1", "dp"),
     "parallel.reduce_dtype": ("float32", "bfloat16"),

@@ -1,5 +1,6 @@
-"""Documents: where the text comes from (the embedded stdlib corpus, local files, a saved dataset or the hub),
-as a `datasets.Dataset` (map-style) or an `IterableDataset` (streaming), with clear errors for bad sources."""
+"""Documents: where the text comes from (the embedded stdlib corpus, local files, a saved dataset or the hub) and
+which split validates, as `datasets.Dataset`s (map-style) or `IterableDataset`s (streaming), with clear errors
+for bad sources."""
 
 from __future__ import annotations
 
@@ -8,13 +9,19 @@ import hashlib
 import os
 import sys
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from filelock import FileLock
 
 from jdp.config import ConfigError, DataConfig
 
 BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+# data.text_unit: where datasets' text builder cuts .txt files into documents (its `sample_by`), and the banner's words
+TEXT_UNITS = {"file": "document", "line": "line", "paragraph": "paragraph"}
+UNIT_NAMES = {"file": "one per .txt file", "line": "one per line of text", "paragraph": "one per paragraph of text"}
+VAL_SPLITS = ("validation", "test")  # the splits data.val_split=auto validates on, in this order
 
 
 def cache_root(cfg: DataConfig) -> Path:
@@ -103,35 +110,110 @@ def resolve_source(cfg: DataConfig) -> str:
 
 
 def load_saved(cfg: DataConfig, path: Path):
-    """The data.split of a `save_to_disk` directory (a Dataset, or a DatasetDict holding that split)."""
+    """A `save_to_disk` directory: a Dataset, or a DatasetDict of splits."""
     import datasets
 
     try:
-        ds = datasets.load_from_disk(str(path))
+        return datasets.load_from_disk(str(path))
     except Exception as e:  # datasets cannot load a saved dataset with no rows (IndexError)
         raise ConfigError(
             f"data.source={cfg.source}: could not load this save_to_disk directory: "
             f"{type(e).__name__}: {e} (is the dataset empty?)"
         ) from e
-    if isinstance(ds, datasets.DatasetDict):
-        if cfg.split not in ds:
-            raise ConfigError(f"data.source={cfg.source}: no split {cfg.split!r}; it has {sorted(ds)} (set data.split)")
-        ds = ds[cfg.split]
-    return ds
+
+
+@dataclass
+class Corpus:
+    """The documents to train on and, when the source has a split for it, the documents that validate."""
+
+    train: Any  # a datasets.Dataset, or an IterableDataset when streaming
+    val: Any | None  # the validation split; None: validation documents are held out of `train`
+    val_split: str  # the validation split's name ("" when held out)
+    unit: str  # what one document is, for the banner ("" unless the documents come from .txt files)
+
+
+def open_corpus(cfg: DataConfig, streaming: bool = False) -> Corpus:
+    """The training documents of cfg.source and its validation split (data.val_split), checked; errors say what
+    is missing and how to fix it."""
+    source = resolve_source(cfg)
+    splits, named, unit = _open_splits(cfg, source, streaming)
+    train_split = cfg.split if named else next(iter(splits))
+    if train_split not in splits:
+        raise ConfigError(f"data.source={cfg.source}: no split {cfg.split!r}; it has {sorted(splits)} (set data.split)")
+    val_split = choose_val_split(cfg, splits, train_split, named)
+    corpus = Corpus(splits[train_split], splits[val_split] if val_split else None, val_split, unit)
+    _check_documents(cfg, corpus.train, "")
+    if corpus.val is not None:
+        _check_documents(cfg, corpus.val, f" (data.val_split={val_split})")
+    return corpus
 
 
 def load_documents(cfg: DataConfig):
-    """A `datasets.Dataset` of documents from cfg.source; errors say what is missing and how to fix it."""
+    """The training documents of cfg.source as a `datasets.Dataset`."""
+    return open_corpus(cfg).train
+
+
+def open_stream(cfg: DataConfig):
+    """The training documents of cfg.source as an IterableDataset, in file order."""
+    return open_corpus(cfg, streaming=True).train
+
+
+def choose_val_split(cfg: DataConfig, splits: dict, train_split: str, named: bool) -> str:
+    """The split data.val_split names ("auto": the first of VAL_SPLITS the source has); "" for a hold-out."""
+    want = cfg.val_split
+    if want == "holdout":
+        return ""
+    if want == "auto":
+        trained = train_split.split("[")[0]  # a slice of a split (train[:90%]) is that split
+        others = (n for n in VAL_SPLITS if n in splits and n != trained and _has_rows(splits[n]))
+        return next(others, "") if named else ""
+    if not want:
+        raise ConfigError("data.val_split is empty; use auto, holdout or the name of one of the dataset's splits")
+    if not named:
+        raise ConfigError(
+            f"data.val_split={want}: data.source={cfg.source} has no named splits (one set of documents), so "
+            f"validation documents are held out of it: use data.val_split=auto or holdout, or a source with "
+            f"splits (a saved DatasetDict, a hub dataset, a directory of train.* and validation.* files)"
+        )
+    if want == train_split.split("[")[0]:
+        raise ConfigError(
+            f"data.val_split={want} is also data.split: validating on the training documents measures nothing; "
+            f"choose another of {sorted(splits)}, or data.val_split=holdout"
+        )
+    if want not in splits:
+        raise ConfigError(
+            f"data.val_split={want}: data.source={cfg.source} has no such split; it has {sorted(splits)} (or use "
+            f"data.val_split=auto or holdout)"
+        )
+    return want
+
+
+def _has_rows(ds) -> bool:
+    """False for a map-style dataset without rows (a stream's length is unknown: True)."""
     import datasets
 
-    source = resolve_source(cfg)
+    return not isinstance(ds, datasets.Dataset) or len(ds) > 0
+
+
+def _open_splits(cfg: DataConfig, source: str, streaming: bool) -> tuple[dict, bool, str]:
+    """The source's splits by name, whether those names mean anything (a source of one set of documents has
+    just "train"), and what one document is."""
+    import datasets
+
     path = Path(source).expanduser()
     if is_saved_dataset(path):
         ds = load_saved(cfg, path)
-    elif (files := data_files(cfg, source)) is not None:
+        named = isinstance(ds, datasets.DatasetDict)
+        splits = dict(ds) if named else {"train": ds}
+        if streaming:
+            splits = {n: d.to_iterable_dataset(num_shards=max(1, min(len(d), 64))) for n, d in splits.items()}
+        return splits, named, ""
+    if (files := data_files(cfg, source)) is not None:
+        by_split = files_by_split(source, files)
         builder = BUILDERS[Path(files[0]).suffix.lower()]
+        unit = f"{UNIT_NAMES[cfg.text_unit]}, data.text_unit={cfg.text_unit}" if builder == "text" else ""
         try:
-            ds = datasets.load_dataset(builder, data_files=files, split="train", **_decoding(cfg, builder))
+            splits = datasets.load_dataset(builder, data_files=by_split, streaming=streaming, **_reading(cfg, builder))
         except Exception as e:  # datasets fails on empty files with StopIteration, ValueError, ...
             if undecodable := decoding_error(cfg, files, e):
                 raise undecodable from e
@@ -139,46 +221,73 @@ def load_documents(cfg: DataConfig):
                 f"data.source={cfg.source}: could not read {len(files)} {builder} file(s): "
                 f"{type(e).__name__}: {e or 'no data'} (is it empty or malformed?)"
             ) from e
-    else:  # a Hugging Face hub dataset
-        ds = datasets.load_dataset(source, cfg.name or None, split=cfg.split)
-    if cfg.text_column not in ds.column_names:
-        raise ConfigError(
-            f"data.source={cfg.source}: no column {cfg.text_column!r}; its columns are {ds.column_names} "
-            f"(set data.text_column)"
-        )
-    feature = ds.features[cfg.text_column]
-    if getattr(feature, "dtype", None) not in ("string", "large_string"):
-        raise ConfigError(f"data.source={cfg.source}: column {cfg.text_column!r} holds {feature}, not text")
-    if len(ds) == 0:
-        raise ConfigError(f"data.source={cfg.source}: the dataset is empty")
-    return ds
+        return dict(splits), len(by_split) > 1, unit
+    splits = dict(_from_hub(cfg, source, streaming))
+    if cfg.split not in splits and "[" in cfg.split and not streaming:  # a slice such as train[:10%]
+        splits[cfg.split] = _from_hub(cfg, source, streaming, split=cfg.split)
+    return splits, True, ""
 
 
-def open_stream(cfg: DataConfig):
-    """The whole corpus as an IterableDataset, in file order: local files, a saved dataset or the hub."""
+def _from_hub(cfg: DataConfig, source: str, streaming: bool, **kwargs):
+    """Every split of a Hugging Face hub dataset (or the one `split` asks for); a failure becomes one clear error."""
     import datasets
 
-    source = resolve_source(cfg)
+    try:
+        return datasets.load_dataset(source, cfg.name or None, streaming=streaming, **kwargs)
+    except Exception as e:  # ConnectionError, DatasetNotFoundError, HTTP errors, a bad configuration name, ...
+        named = f"hub dataset {source!r}" + (f" (configuration {cfg.name!r})" if cfg.name else "")
+        offline = "; offline mode is on now" if datasets.config.HF_HUB_OFFLINE else ""
+        raise ConfigError(
+            f"data.source={cfg.source}: no local file or directory of that name, and the Hugging Face {named} "
+            f"could not be loaded: {type(e).__name__}: {e}. For local data, fix the path (a local path exists, or "
+            f"starts with ./ or /); for a hub dataset, check the name (`name` or `owner/name`) and the network. "
+            f"Without a network set HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1: only datasets already in the Hugging "
+            f"Face cache load, and nothing waits on retries{offline}"
+        ) from e
+
+
+def files_by_split(source: str, files: list[str]) -> dict[str, list[str]]:
+    """A directory's data files by split, as `datasets` names them (train.jsonl, validation/, test-0.txt, ...)
+    when those names place every file in exactly one split; otherwise all of them are the one split "train"."""
     path = Path(source).expanduser()
-    if is_saved_dataset(path):
-        ds = load_saved(cfg, path)
-        ds = ds.to_iterable_dataset(num_shards=max(1, min(len(ds), 64)))
-    elif (files := data_files(cfg, source)) is not None:
-        builder = BUILDERS[Path(files[0]).suffix.lower()]
-        ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **_decoding(cfg, builder))
-    else:
-        ds = datasets.load_dataset(source, cfg.name or None, split=cfg.split, streaming=True)
+    if path.is_dir() and not glob.has_magic(source):
+        from datasets.data_files import DataFilesDict, get_data_patterns
+
+        base = os.path.abspath(path)
+        ours = {os.path.abspath(f): f for f in files}
+        found = DataFilesDict.from_patterns(get_data_patterns(base), base_path=base)
+        by_split = {str(n): sorted(ours[f] for f in found[n] if f in ours) for n in found}
+        placed = [f for fs in by_split.values() for f in fs]
+        if len(by_split) > 1 and len(placed) == len(set(placed)) == len(files):
+            return by_split
+    return {"train": files}
+
+
+def _check_documents(cfg: DataConfig, ds, where: str) -> None:
+    """The text column exists and holds text, and a map-style dataset has rows."""
+    import datasets
+
     if ds.column_names is not None and cfg.text_column not in ds.column_names:
         raise ConfigError(
-            f"data.source={cfg.source}: no column {cfg.text_column!r}; its columns are {ds.column_names} "
+            f"data.source={cfg.source}{where}: no column {cfg.text_column!r}; its columns are {ds.column_names} "
             f"(set data.text_column)"
         )
-    return ds
+    if not isinstance(ds, datasets.Dataset):
+        return
+    feature = ds.features[cfg.text_column]
+    if getattr(feature, "dtype", None) not in ("string", "large_string"):
+        raise ConfigError(f"data.source={cfg.source}{where}: column {cfg.text_column!r} holds {feature}, not text")
+    if len(ds) == 0:
+        raise ConfigError(f"data.source={cfg.source}{where}: the dataset is empty")
 
 
-def _decoding(cfg: DataConfig, builder: str) -> dict:
-    """How datasets' text, json and csv builders decode files (parquet stores its own encoding)."""
-    return {} if builder == "parquet" else {"encoding": "utf-8", "encoding_errors": cfg.encoding_errors}
+def _reading(cfg: DataConfig, builder: str) -> dict:
+    """How datasets' text, json and csv builders decode files (parquet stores its own encoding), and where the
+    text builder cuts documents (data.text_unit)."""
+    if builder == "parquet":
+        return {}
+    unit = {"sample_by": TEXT_UNITS[cfg.text_unit]} if builder == "text" else {}
+    return {"encoding": "utf-8", "encoding_errors": cfg.encoding_errors, **unit}
 
 
 def decoding_error(cfg: DataConfig, files: list[str] | None, error: BaseException) -> ConfigError | None:

@@ -16,7 +16,7 @@ import numpy as np
 
 from jdp import stream
 from jdp.config import ConfigError, DataConfig
-from jdp.corpus import load_documents, open_stream
+from jdp.corpus import open_corpus
 from jdp.tokens import ByteTokenizer, HFTokenizer, Tokens, load_tokenizer, n_windows, tokenize, windows
 
 
@@ -73,6 +73,8 @@ class Data:
     tokens: Tokens  # for streaming: the validation stream only
     train: Batches  # or stream.StreamBatches
     rows: slice  # this process's rows of every global batch
+    unit: str = ""  # what one document is ("one per .txt file, data.text_unit=file"); "" for other sources
+    val_split: str = ""  # the split that validates; "" when documents are held out of the training split
 
     def local_batch(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of global batch `step` (streams: the next batch; steps come in order)."""
@@ -86,11 +88,18 @@ class Data:
 
     def describe(self) -> str:
         t, tok = self.tokens, f"tokenizer {self.tokenizer.name} (vocab {self.tokenizer.vocab_size})"
+        if not len(t.val):
+            val = "no validation"
+        else:
+            held = f"from split {self.val_split!r}" if self.val_split else "held out of the training documents"
+            val = f"val {len(t.val):,} tokens {held}"
         if not isinstance(self.train, Batches):
-            return f"streaming, each process its own shards | val {len(t.val):,} tokens | {tok}"
+            unit = f" (documents: {self.unit})" if self.unit else ""
+            return f"streaming, each process its own shards{unit} | {val} | {tok}"
+        unit = f"{self.unit}; " if self.unit else ""
         return (
-            f"{t.n_docs:,} documents ({t.n_empty} empty, skipped) | train {len(t.train):,} tokens = "
-            f"{self.train.n:,} windows | val {len(t.val):,} tokens | {tok}"
+            f"{t.n_docs:,} documents ({unit}{t.n_empty} empty, skipped) | train {len(t.train):,} tokens = "
+            f"{self.train.n:,} windows | {val} | {tok}"
         )
 
 
@@ -111,13 +120,14 @@ def load_data(
             f"data.tokenizer={cfg.tokenizer} has {tokenizer.vocab_size} tokens but model.vocab_size={vocab_size}; "
             f"set model.vocab_size to at least {tokenizer.vocab_size} (a multiple of 64 is fastest)"
         )
+    corpus = open_corpus(cfg, streaming=cfg.streaming)
     if cfg.streaming:
-        ds = open_stream(cfg)
-        val, exclude = stream.hold_out(ds, tokenizer, cfg)
+        val, held_out = stream.hold_out(corpus.train if corpus.val is None else corpus.val, tokenizer, cfg)
+        exclude = held_out if corpus.val is None else set()  # a validation split shares no documents with training
         tokens = Tokens(np.zeros(0, val.dtype), val, 0, 0)
-        train = stream.StreamBatches(ds, tokenizer, cfg, rows.stop - rows.start, rank, world, exclude)
+        train = stream.StreamBatches(corpus.train, tokenizer, cfg, rows.stop - rows.start, rank, world, exclude)
     else:
-        tokens = tokenize(load_documents(cfg), tokenizer, cfg, seed)
+        tokens = tokenize(corpus.train, tokenizer, cfg, seed, corpus.val)
         train = Batches(tokens.train, cfg.seq_len, batch_size, seed)
         if train.n < batch_size:
             raise ConfigError(
@@ -126,10 +136,16 @@ def load_data(
                 f"smaller batch"
             )
     if cfg.val_tokens > 0 and n_windows(tokens.val, cfg.seq_len) == 0:
+        if corpus.val_split and len(tokens.val) < cfg.val_tokens:  # all of it, and still no window
+            raise ConfigError(
+                f"data.source={cfg.source}: its validation split {corpus.val_split!r} holds {len(tokens.val)} "
+                f"tokens, fewer than data.seq_len+1={cfg.seq_len + 1}; use data.val_split=holdout, or a shorter "
+                f"data.seq_len"
+            )
         raise ConfigError(
             f"data.val_tokens={cfg.val_tokens} holds out fewer than data.seq_len+1 tokens; raise it (or 0 for no evaluation)"
         )
-    return Data(tokenizer, tokens, train, rows)
+    return Data(tokenizer, tokens, train, rows, corpus.unit, corpus.val_split)
 
 
 class Prefetcher:

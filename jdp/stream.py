@@ -24,10 +24,11 @@ def _decoded(ds, cfg: DataConfig):
 
 
 def hold_out(ds, tokenizer, cfg: DataConfig) -> tuple[np.ndarray, set[bytes]]:
-    """The first documents of the stream, up to data.val_tokens tokens, as the validation stream.
+    """The first documents of `ds`, up to data.val_tokens tokens, as the validation stream, and their digests.
 
-    Every process reads the same head of the unsplit stream; training then skips documents with the
-    same text (by digest), so validation and training never share a document.
+    `ds` is the validation split, or else the unsplit training stream: every process reads the same head of it,
+    and training then skips documents with the same text (by digest), so validation and training never share
+    a document.
     """
     parts, digests, total = [], set(), 0
     if cfg.val_tokens <= 0:

@@ -103,23 +103,49 @@ class Tokens:
     n_empty: int  # documents with no text: skipped, and counted here
 
 
-def tokenize(ds, tokenizer, cfg: DataConfig, seed: int) -> Tokens:
-    """Tokenize with `datasets.map`, hold out whole documents for validation, and cache the streams."""
-    key = json.dumps([FORMAT_VERSION, ds._fingerprint, tokenizer.name, cfg.text_column, cfg.val_tokens, seed])
+def tokenize(ds, tokenizer, cfg: DataConfig, seed: int, val_ds=None) -> Tokens:
+    """Tokenize with `datasets.map`, take validation documents (whole ones, held out of `ds`, or from `val_ds`, the
+    validation split, when there is one), and cache the streams."""
+    val_print = val_ds._fingerprint if val_ds is not None else None
+    key = [FORMAT_VERSION, ds._fingerprint, val_print, tokenizer.name, cfg.text_column, cfg.val_tokens, seed]
+    # text_unit too: the datasets fingerprint of .txt files follows it today, but the cache must not rely on that.
+    key = json.dumps([*key, cfg.text_unit])
     cache = cache_root(cfg) / f"tokens-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     cache.parent.mkdir(parents=True, exist_ok=True)
     # One process per host tokenizes; the others wait for it and then read its cache.
     with FileLock(str(cache) + ".lock"):
         if not (cache / "meta.json").exists():
-            _tokenize_into(cache, key, ds, tokenizer, cfg, seed)
+            _tokenize_into(cache, key, ds, val_ds, tokenizer, cfg, seed)
     meta = json.loads((cache / "meta.json").read_text())
     # Memory-mapped: processes on one host share the page cache instead of each holding a copy.
     train, val = (np.load(cache / f"{name}.npy", mmap_mode="r") for name in ("train", "val"))
     return Tokens(train, val, meta["n_docs"], meta["n_empty"])
 
 
-def _tokenize_into(cache: Path, key: str, ds, tokenizer, cfg: DataConfig, seed: int) -> None:
+@dataclass
+class _Documents:
+    """A dataset's documents as one token stream, each non-empty one followed by an end-of-document token."""
 
+    stream: np.ndarray
+    doc_of_token: np.ndarray  # the document each token of `stream` belongs to
+    lengths: np.ndarray  # tokens per document, without its end-of-document token
+    nonempty: np.ndarray  # which documents have tokens (the others are skipped)
+
+    def take(self, is_taken: np.ndarray) -> np.ndarray:
+        """The stream of the documents `is_taken` marks, in order."""
+        return self.stream[is_taken[self.doc_of_token]]
+
+    def choose(self, n_tokens: int, seed: int) -> np.ndarray:
+        """Whole non-empty documents, in a seeded order, until they hold at least n_tokens tokens (or all of them)."""
+        chosen = np.zeros(len(self.lengths), bool)
+        if n_tokens > 0:
+            order = np.random.default_rng([seed, 1]).permutation(np.flatnonzero(self.nonempty))
+            taken = np.cumsum(self.lengths[order] + 1)
+            chosen[order[: int(np.searchsorted(taken, n_tokens) + 1)]] = True
+        return chosen
+
+
+def _documents(ds, tokenizer, cfg: DataConfig, where: str) -> _Documents:
     column = cfg.text_column
     num_proc = cfg.num_proc or min(os.cpu_count() or 1, max(1, len(ds) // 2000))
     ids = ds.map(
@@ -134,26 +160,31 @@ def _tokenize_into(cache: Path, key: str, ds, tokenizer, cfg: DataConfig, seed: 
     offsets = col.offsets.to_numpy()
     lengths = np.diff(offsets)
     nonempty = lengths > 0
-    n_empty = int((~nonempty).sum())
     if not nonempty.any():
-        raise ConfigError(f"data.source={cfg.source}: every document in column {column!r} is empty")
+        raise ConfigError(f"data.source={cfg.source}{where}: every document in column {column!r} is empty")
     # One end-of-document token after every document.
     stream = np.insert(values, offsets[1:][nonempty], tokenizer.eod_id).astype(values.dtype)
     doc_of_token = np.repeat(np.arange(len(lengths))[nonempty], lengths[nonempty] + 1)
+    return _Documents(stream, doc_of_token, lengths, nonempty)
 
-    is_val = np.zeros(len(lengths), bool)
-    if cfg.val_tokens > 0:
-        order = np.random.default_rng([seed, 1]).permutation(np.flatnonzero(nonempty))
-        taken = np.cumsum(lengths[order] + 1)
-        n_val = int(np.searchsorted(taken, cfg.val_tokens) + 1)
-        if n_val >= len(order):
+
+def _tokenize_into(cache: Path, key: str, ds, val_ds, tokenizer, cfg: DataConfig, seed: int) -> None:
+    docs = _documents(ds, tokenizer, cfg, "")
+    n_docs, n_empty = int(docs.nonempty.sum()), int((~docs.nonempty).sum())
+    if val_ds is None:  # hold whole documents out of the training split
+        is_val = docs.choose(cfg.val_tokens, seed)
+        if is_val.sum() >= n_docs:
             raise ConfigError(
                 f"data.source={cfg.source}: holding out data.val_tokens={cfg.val_tokens} for validation would "
                 f"leave no training documents; lower data.val_tokens (0 switches evaluation off)"
             )
-        is_val[order[:n_val]] = True
-    token_is_val = is_val[doc_of_token]
-    tokens = Tokens(stream[~token_is_val], stream[token_is_val], int(nonempty.sum()), n_empty)
+        tokens = Tokens(docs.take(~is_val), docs.take(is_val), n_docs, n_empty)
+    else:  # the validation split, bounded by data.val_tokens like a hold-out; nothing is held out of training
+        val = np.zeros(0, docs.stream.dtype)
+        if cfg.val_tokens > 0:
+            val_docs = _documents(val_ds, tokenizer, cfg, " (its validation split)")
+            val = val_docs.take(val_docs.choose(cfg.val_tokens, seed))
+        tokens = Tokens(docs.stream, val, n_docs, n_empty)
 
     tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)

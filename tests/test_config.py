@@ -150,9 +150,27 @@ def test_yaml_int_for_float_and_str_fields(tmp_path):
 
 def test_unknown_key_in_override_lists_valid_keys():
     with pytest.raises(ConfigError) as e:
-        load_config(overrides=["train.batchsize=8"])
+        load_config(overrides=["train.zzz=8"])  # nothing like it: every key is listed
     msg = str(e.value)
-    assert "train.batchsize" in msg and "train.batch_size" in msg and "optim.lr" in msg
+    assert "train.zzz" in msg and "train.batch_size" in msg and "optim.lr" in msg and "did you mean" not in msg
+
+
+@pytest.mark.parametrize(
+    "override, hint",
+    [
+        ("train.step=10", "did you mean train.steps"),  # a letter missing
+        ("train.batchsize=8", "did you mean train.batch_size?"),
+        ("model.dmodel=64", "did you mean model.d_model?"),
+        ("data.steps=10", "did you mean train.steps?"),  # the right key in the wrong section
+        ("trian.steps=10", "did you mean train?"),
+    ],
+)
+def test_a_near_miss_key_gets_did_you_mean_first_not_every_key(override, hint):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=[override])
+    first, *rest = str(e.value).split("\n")
+    assert hint in first, str(e.value)
+    assert len(rest) == 1 and rest[0].count(".") < 25  # then one line of the section's keys, not all 60
 
 
 def test_unknown_key_in_file_lists_valid_keys(tmp_path):
@@ -165,10 +183,13 @@ def test_unknown_key_in_file_lists_valid_keys(tmp_path):
 def test_unknown_section(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(_write(tmp_path, "trainer:\n  steps: 10\n"))
-    assert "'trainer'" in str(e.value) and "train.batch_size" in str(e.value)
+    assert "'trainer': did you mean train?" in str(e.value)
     with pytest.raises(ConfigError) as e:
         load_config(overrides=["trainer.steps=10"])
-    assert "'trainer'" in str(e.value) and "train.batch_size" in str(e.value)
+    assert "'trainer': did you mean train?" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=["optimizer.lr=10"])  # no near section: every key
+    assert "'optimizer'" in str(e.value) and "train.batch_size" in str(e.value)
 
 
 @pytest.mark.parametrize("override", ["train.steps=abc", "train.steps=3.5", "train.steps=", "optim.lr=fast"])
@@ -457,3 +478,30 @@ def test_bad_input_ends_jdp_train_with_exit_2_and_the_message_not_a_traceback(tm
         assert out.returncode == 2, (override, out.stderr[-2000:])
         assert message in out.stderr and "Traceback" not in out.stderr, (override, out.stderr[-2000:])
         assert "compil" not in out.stdout.lower()
+
+
+def test_jdp_version_prints_the_version_and_exits_0():
+    import subprocess
+    import sys
+
+    import jdp
+
+    out = subprocess.run([sys.executable, "-m", "jdp.cli", "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"jdp {jdp.__version__}"
+
+
+def test_the_quick_start_trains_without_the_test_tools_and_agrees_with_tiny_yaml_on_time():
+    """README's first quick-start command installs what training needs, not pytest and ruff; its time for the
+    tiny run is the one configs/tiny.yaml states."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    block = root.joinpath("README.md").read_text().split("## Quick start", 1)[1].split("```bash\n", 1)[1]
+    train_line, test_line = block.split("```", 1)[0].strip().splitlines()
+    assert train_line.startswith("pip install -e . && jdp train "), train_line
+    assert "[test]" in test_line and "pytest" in test_line
+    said = re.search(r"~(\d+) min", train_line).group(1)
+    tiny = root.joinpath("configs", "tiny.yaml").read_text().splitlines()[1]
+    words = {"1": "About a minute", "2": "About two minutes"}
+    assert words[said] in tiny, (train_line, tiny)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 import sysconfig
 from collections import Counter
 from pathlib import Path
@@ -208,11 +210,65 @@ def test_eval_batches_cover_every_window_once_in_order():
 # ---------------------------------------------------------------------------------------------- load_documents
 
 
-def test_load_txt(tmp_path):
+STORIES = {
+    "a.txt": "Once upon a time\nthere was a cat.\n\nThe cat sat.\n",
+    "b.txt": "def main():\n    return 0\n",
+    "c.txt": "",  # an empty file: one empty document, skipped and counted
+}
+
+
+def _stories(tmp_path: Path) -> Path:
+    d = tmp_path / "stories"
+    d.mkdir(parents=True)
+    for name, text in STORIES.items():
+        (d / name).write_text(text, encoding="utf-8")
+    return d
+
+
+def test_a_txt_file_is_one_document_by_default_with_its_newlines(tmp_path):
+    ds = load_documents(_cfg(tmp_path, _stories(tmp_path)))
+    assert ds["text"] == list(STORIES.values())  # whole files, in file order, newlines kept
+
+
+@pytest.mark.parametrize(
+    "unit, expected",
+    [
+        ("line", ["Once upon a time", "there was a cat.", "", "The cat sat.", "def main():", "    return 0"]),
+        ("paragraph", ["Once upon a time\nthere was a cat.", "The cat sat.\n", "def main():\n    return 0\n"]),
+    ],
+)
+def test_data_text_unit_cuts_txt_files_into_lines_or_paragraphs(tmp_path, unit, expected):
+    ds = load_documents(_cfg(tmp_path, _stories(tmp_path), text_unit=unit))
+    assert ds["text"] == expected
+
+
+def test_data_text_unit_line_reads_one_document_per_line(tmp_path):
     f = tmp_path / "corpus.txt"
     f.write_text("\n".join(DOCS) + "\n", encoding="utf-8")
-    ds = load_documents(_cfg(tmp_path, f))
+    ds = load_documents(_cfg(tmp_path, f, text_unit="line"))
     assert ds["text"] == DOCS
+
+
+def test_the_token_cache_key_holds_the_text_unit(tmp_path):
+    # The same dataset object under another data.text_unit must not find the first unit's tokens.
+    UNITS = ("file", "line")
+    src = _stories(tmp_path)
+    ds = load_documents(_cfg(tmp_path, src))
+    for unit in UNITS:
+        tokenize(ds, ByteTokenizer(), _cfg(tmp_path, src, text_unit=unit, val_tokens=0), seed=0)
+    assert len([p for p in (tmp_path / "cache").iterdir() if p.name.startswith("tokens-") and p.is_dir()]) == 2
+    by_unit = {u: load_data(_cfg(tmp_path, src, text_unit=u, val_tokens=0, seq_len=8), 320, 2, 0) for u in UNITS}
+    assert _split_docs(by_unit["file"].tokens.train) == [t for t in STORIES.values() if t]
+    assert _split_docs(by_unit["line"].tokens.train) == [t for t in "".join(STORIES.values()).split("\n") if t]
+
+
+def test_the_banner_counts_documents_and_says_what_one_is(tmp_path):
+    data = load_data(_cfg(tmp_path, _stories(tmp_path), seq_len=8, val_tokens=0), 320, 2, 0)
+    assert data.describe().startswith("2 documents (one per .txt file, data.text_unit=file; 1 empty, skipped) |")
+    lines = load_data(_cfg(tmp_path, _stories(tmp_path / "l"), seq_len=8, val_tokens=0, text_unit="line"), 320, 2, 0)
+    assert lines.describe().startswith("5 documents (one per line of text, data.text_unit=line; 1 empty, skipped)")
+    jsonl = load_data(_cfg(tmp_path, _write_jsonl(tmp_path / "c.jsonl", DOCS * 4), seq_len=8, val_tokens=0), 320, 2, 0)
+    assert jsonl.describe().startswith("16 documents (0 empty, skipped) |")  # a unit only for .txt files
 
 
 def test_load_jsonl(tmp_path):
@@ -345,11 +401,20 @@ def test_error_empty_dataset(tmp_path, monkeypatch):
     features = datasets.Features({"text": datasets.Value("string")})
     empty = datasets.Dataset.from_dict({"text": []}, features=features)
     calls = []
-    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: calls.append((a, k)) or empty)
+
+    def hub(*args, **kwargs):
+        calls.append((args, kwargs))
+        return empty if "split" in kwargs else datasets.DatasetDict({"train": empty})
+
+    monkeypatch.setattr(datasets, "load_dataset", hub)
     with pytest.raises(ConfigError) as e:
         load_documents(DataConfig(source="someone/corpus", name="en", split="train[:0]"))
     assert "someone/corpus" in str(e.value) and "empty" in str(e.value)
-    assert calls == [(("someone/corpus", "en"), {"split": "train[:0]"})]
+    # Every split first (to find a validation split), then the slice data.split asks for.
+    assert calls == [
+        (("someone/corpus", "en"), {"streaming": False}),
+        (("someone/corpus", "en"), {"streaming": False, "split": "train[:0]"}),
+    ]
 
 
 def _empty_jsonl(tmp_path: Path) -> Path:
@@ -702,7 +767,7 @@ def test_a_byte_that_is_not_utf8_names_the_file_offset_and_the_lenient_setting(t
     assert f"{bad} is not valid UTF-8: byte 0xe9 at offset {offset:,} (line {line:,})" in msg, msg
     assert "data.encoding_errors=replace" in msg
     ds = load_documents(DataConfig(source=str(tmp_path / "*.txt"), encoding_errors="replace"))
-    assert "caf\ufffd au lait" in ds["text"]  # read leniently when asked
+    assert any("caf\ufffd au lait" in text for text in ds["text"])  # read leniently when asked
 
 
 def test_a_local_path_that_does_not_exist_is_reported_before_any_hub_lookup(tmp_path, monkeypatch):
@@ -713,3 +778,157 @@ def test_a_local_path_that_does_not_exist_is_reported_before_any_hub_lookup(tmp_
         with pytest.raises(ConfigError) as e:
             load_documents(DataConfig(source=typo))
         assert "no such file or directory" in str(e.value) and typo.lstrip("./") in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------- validation splits
+
+
+def _splits(tmp_path: Path, splits: dict[str, list[str]], name: str = "saved-splits") -> Path:
+    d = tmp_path / name
+    datasets.DatasetDict({n: datasets.Dataset.from_dict({"text": t}) for n, t in splits.items()}).save_to_disk(str(d))
+    return d
+
+
+VAL_DOCS = [f"validation document {i}: " + "v" * (20 + i) for i in range(8)]
+TEST_DOCS = ["the test split's only document, long enough for a window"]
+
+
+def _n_tokens(texts: list[str]) -> int:
+    return sum(len(t.encode()) + 1 for t in texts if t)
+
+
+def test_a_validation_split_validates_and_nothing_is_held_out_of_training(tmp_path):
+    train_docs = _corpus(40)
+    src = _splits(tmp_path, {"train": train_docs, "validation": VAL_DOCS, "test": TEST_DOCS})
+    data = load_data(_cfg(tmp_path, src, seq_len=16, val_tokens=10**6), 320, 4, seed=0)
+    assert data.val_split == "validation"
+    assert _split_docs(data.tokens.train) == [t for t in train_docs if t]  # every training document, in order
+    assert _split_docs(data.tokens.val) == VAL_DOCS  # all of it: data.val_tokens is more than the split holds
+    assert f"val {_n_tokens(VAL_DOCS):,} tokens from split 'validation'" in data.describe()
+    # data.val_tokens bounds it, as it bounds a hold-out: whole documents of the split, chosen by the seed.
+    small = load_data(_cfg(tmp_path, src, seq_len=16, val_tokens=100), 320, 4, seed=0)
+    val = _split_docs(small.tokens.val)
+    assert set(val) < set(VAL_DOCS) and len(small.tokens.val) >= 100
+    assert len(small.tokens.val) - max(len(t) + 1 for t in val) < 100
+    np.testing.assert_array_equal(small.tokens.train, data.tokens.train)
+    # data.val_tokens=0 still switches evaluation off.
+    off = load_data(_cfg(tmp_path, src, seq_len=16, val_tokens=0), 320, 4, seed=0)
+    assert len(off.tokens.val) == 0 and "no validation" in off.describe()
+    # holdout: documents held out of the training split, as before, whatever splits the source has.
+    held = load_data(_cfg(tmp_path, src, seq_len=16, val_tokens=100, val_split="holdout"), 320, 4, seed=0)
+    assert held.val_split == "" and "held out of the training documents" in held.describe()
+    assert set(_split_docs(held.tokens.val)) <= set(train_docs)
+    assert Counter(_split_docs(held.tokens.train) + _split_docs(held.tokens.val)) == Counter(t for t in train_docs if t)
+    # A split by name.
+    test = load_data(_cfg(tmp_path, src, seq_len=16, val_split="test"), 320, 4, seed=0)
+    assert _split_docs(test.tokens.val) == TEST_DOCS and "from split 'test'" in test.describe()
+
+
+def test_val_split_auto_takes_test_without_validation_and_holds_out_without_either(tmp_path):
+    train_docs = _corpus(20)
+    with_test = jd.open_corpus(_cfg(tmp_path, _splits(tmp_path, {"train": train_docs, "test": TEST_DOCS}, "t")))
+    assert with_test.val_split == "test" and with_test.val["text"] == TEST_DOCS
+    # Training on the validation split: auto looks for another one (here none: a hold-out).
+    src = _splits(tmp_path, {"train": train_docs, "validation": VAL_DOCS}, "v")
+    on_val = jd.open_corpus(_cfg(tmp_path, src, split="validation"))
+    assert on_val.val_split == "" and on_val.val is None and on_val.train["text"] == VAL_DOCS
+    single = jd.open_corpus(_cfg(tmp_path, _saved(tmp_path, train_docs)))
+    assert single.val_split == "" and single.val is None
+
+
+def test_val_split_errors_name_the_splits_there_are(tmp_path):
+    src = _splits(tmp_path, {"train": _corpus(10), "validation": VAL_DOCS})
+    cases = {
+        "dev": ["data.val_split=dev", "no such split", "['train', 'validation']", "auto or holdout"],
+        "train": ["data.val_split=train is also data.split", "data.val_split=holdout"],
+        "": ["data.val_split is empty", "auto, holdout"],
+    }
+    for val_split, words in cases.items():
+        with pytest.raises(ConfigError) as e:
+            jd.open_corpus(_cfg(tmp_path, src, val_split=val_split))
+        assert all(w in str(e.value) for w in words), str(e.value)
+    with pytest.raises(ConfigError) as e:
+        jd.open_corpus(_cfg(tmp_path, _saved(tmp_path, _corpus(10)), val_split="validation"))
+    assert "has no named splits" in str(e.value) and "data.val_split=auto or holdout" in str(e.value)
+    # A validation split too short for one window says so (not "raise data.val_tokens").
+    tiny = _splits(tmp_path, {"train": _corpus(40), "validation": ["short"]}, "tiny")
+    with pytest.raises(ConfigError) as e:
+        load_data(_cfg(tmp_path, tiny, seq_len=16), 320, 4, seed=0)
+    assert "its validation split 'validation' holds 6 tokens" in str(e.value) and "holdout" in str(e.value)
+
+
+def test_a_directory_of_train_and_validation_files_validates_on_those_files(tmp_path):
+    d = tmp_path / "named"
+    _write_jsonl(d / "train.jsonl", DOCS)
+    _write_jsonl(d / "validation.jsonl", VAL_DOCS)
+    corpus = jd.open_corpus(_cfg(tmp_path, d))
+    assert corpus.train["text"] == DOCS and corpus.val_split == "validation" and corpus.val["text"] == VAL_DOCS
+    # A file whose name says no split: the names do not cover every file, so all of them are training data.
+    _write_jsonl(d / "extra.jsonl", ["an extra document"])
+    corpus = jd.open_corpus(_cfg(tmp_path, d))
+    assert corpus.val is None and sorted(corpus.train["text"]) == sorted(DOCS + VAL_DOCS + ["an extra document"])
+
+
+def test_a_hub_dataset_validates_on_its_validation_split(monkeypatch):
+    every_split = datasets.DatasetDict(
+        {n: datasets.Dataset.from_dict({"text": t}) for n, t in (("train", DOCS), ("validation", VAL_DOCS))}
+    )
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: every_split)  # offline stand-in for the hub
+    corpus = jd.open_corpus(DataConfig(source="someone/corpus"))
+    assert corpus.train["text"] == DOCS and corpus.val_split == "validation" and corpus.val["text"] == VAL_DOCS
+
+
+# ---------------------------------------------------------------------------------------------- local or hub
+
+
+def test_a_hub_failure_is_one_error_naming_the_dataset_and_the_offline_switch(monkeypatch):
+    def unreachable(path, *args, **kwargs):
+        raise ConnectionError(f"Couldn't reach '{path}' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    for streaming in (False, True):
+        with pytest.raises(ConfigError) as e:
+            jd.open_corpus(DataConfig(source="someone/corpus", name="en"), streaming=streaming)
+        msg = str(e.value)
+        assert msg.startswith("data.source=someone/corpus: no local file or directory of that name"), msg
+        assert "hub dataset 'someone/corpus' (configuration 'en')" in msg
+        assert "ConnectionError: Couldn't reach 'someone/corpus' on the Hub" in msg and "HF_HUB_OFFLINE=1" in msg
+
+
+def test_an_existing_directory_named_without_dot_slash_is_read_locally(tmp_path, monkeypatch):
+    _stories(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    builders, load = set(jd.BUILDERS.values()), datasets.load_dataset
+    hub = lambda path, *a, **k: load(path, *a, **k) if path in builders else pytest.fail(f"hub lookup: {path}")  # noqa: E731
+    monkeypatch.setattr(datasets, "load_dataset", hub)
+    assert load_documents(DataConfig(source="stories"))["text"] == list(STORIES.values())
+    assert [d["text"] for d in jd.open_stream(DataConfig(source="stories"))] == list(STORIES.values())
+
+
+def _jdp_train(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
+    small = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "train.steps=2", "train.batch_size=8"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "JDP_CACHE": str(cwd / "cache")}
+    argv = [sys.executable, "-m", "jdp.cli", "train", "tiny", *small, f"train.run_dir={cwd / 'run'}", *overrides]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
+
+
+def test_jdp_train_on_a_hub_name_that_cannot_load_exits_2_with_one_line(tmp_path):
+    out = _jdp_train(tmp_path, "data.source=jdp-test-no-such-dataset")
+    assert out.returncode == 2, out.stderr[-2000:]
+    error = [line for line in out.stderr.splitlines() if line.startswith("jdp: error:")]
+    assert len(error) == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "data.source=jdp-test-no-such-dataset: no local file or directory of that name" in error[0]
+    assert "hub dataset 'jdp-test-no-such-dataset'" in error[0] and "HF_HUB_OFFLINE=1" in error[0]
+
+
+def test_jdp_train_on_a_directory_of_stories_trains_on_whole_files_and_validates_on_its_validation_file(tmp_path):
+    stories = tmp_path / "mystories"
+    stories.mkdir()
+    for i in range(3):
+        (stories / f"train-{i}.txt").write_text(f"Story {i}.\n\n" + "Once upon a time, a cat sat.\n" * 20)
+    (stories / "validation.txt").write_text("A story kept for validation.\n" * 20)
+    out = _jdp_train(tmp_path, "data.source=mystories", "data.seq_len=32", "data.val_tokens=100")
+    assert out.returncode == 0, out.stderr[-3000:]
+    banner = next(line for line in out.stdout.splitlines() if line.startswith("jdp | data "))
+    assert banner.startswith("jdp | data 3 documents (one per .txt file, data.text_unit=file; 0 empty, skipped)")
+    assert "tokens from split 'validation'" in banner, banner

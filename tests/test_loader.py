@@ -221,3 +221,36 @@ def test_streaming_names_a_file_that_is_not_utf8_and_reads_it_leniently_when_ask
     loader = StreamBatches(open_stream(lenient), ByteTokenizer(), lenient, rows=2, rank=0, world=1, exclude=set())
     seen = b"".join(bytes(loader.next_batch()["inputs"].ravel().astype(np.uint8)) for _ in range(600))
     assert "caf\ufffd au lait".encode() in seen.replace(bytes([EOD % 256]), b"")
+
+
+def test_streaming_honours_data_text_unit(tmp_path):
+    a, b = "Once upon a time\nthere was a cat.\n\nThe cat sat.\n", "def main():\n    return 0\n"
+    (tmp_path / "a.txt").write_text(a)
+    (tmp_path / "b.txt").write_text(b)
+    by_unit = {
+        unit: [d["text"] for d in open_stream(DataConfig(source=str(tmp_path / "*.txt"), text_unit=unit))]
+        for unit in ("file", "line", "paragraph")
+    }
+    assert by_unit["file"] == [a, b]  # the default: whole files, newlines kept
+    assert by_unit["line"] == [*a.splitlines(), *b.splitlines()]
+    assert by_unit["paragraph"] == ["Once upon a time\nthere was a cat.", "The cat sat.\n", b]
+
+
+def test_streaming_validates_on_a_validation_split_and_trains_on_every_training_document(tmp_path):
+    train_docs = [f"training document {i} " + "t" * (i % 7) for i in range(24)]
+    val_docs = [f"validation document {i} " + "v" * i for i in range(6)]
+    src = tmp_path / "saved"
+    splits = {"train": train_docs, "validation": val_docs}
+    datasets.DatasetDict({n: datasets.Dataset.from_dict({"text": t}) for n, t in splits.items()}).save_to_disk(str(src))
+    cfg = DataConfig(source=str(src), seq_len=16, streaming=True, val_tokens=60)
+    data = load_data(cfg, 320, 2, seed=0, rows=slice(0, 2), rank=0, world=1)
+    assert data.val_split == "validation" and "from split 'validation'" in data.describe()
+    val = bytes(data.tokens.val[data.tokens.val != EOD].astype(np.uint8)).decode()
+    assert val.startswith(val_docs[0]) and len(data.tokens.val) >= 60  # the head of the split, whole documents
+    assert data.train.exclude == set()  # nothing of the training split is held out
+    parts = []
+    while data.train.epoch_count == 0:
+        parts.append(data.local_batch(0)["inputs"].ravel())
+    text = bytes(np.concatenate(parts)[np.concatenate(parts) != EOD].astype(np.uint8)).decode()
+    assert all(t in text for t in train_docs[:-1]) and not any(v in text for v in val_docs)
+    assert data.train.n_excluded == 0
