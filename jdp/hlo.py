@@ -117,7 +117,7 @@ def all_reduce_report(cfg: Config) -> tuple[str, dict]:
         f"train.grad_accum={cfg.train.grad_accum}",
         f"{'#':>3}  {'kind':<14} {'bytes':>13}  {'result':<18} {'in a loop':<9}  contents",
     ]
-    lines += _rows(found, grads, gathers)
+    lines += _rows(found, grads, gathers, n_leaves=len(shapes))
     grad_bytes = sum(a.bytes for a in found if id(a) in grads)
     gather_bytes = sum(a.bytes for a in found if id(a) in gathers)
     emitted_bytes = sum(a.bytes for a in emitted_found if id(a) in emitted)
@@ -208,18 +208,44 @@ def compression_report(cfg: Config) -> tuple[str, dict]:
     return "\n".join(lines), numbers
 
 
-def _rows(found: list, grads: dict, gathers: dict, unplanned: str = "loss and token count, or norms") -> list[str]:
-    """One line per collective: kind, bytes, result shape, whether in a loop, and what it carries."""
+def _rows(
+    found: list, grads: dict, gathers: dict, unplanned: str = "not one of jdp's gradient buckets", n_leaves: int = 0
+) -> list[str]:
+    """One line per collective: kind, bytes, result shape, whether in a loop, and what it carries; the scalar
+    all-reduces of the norms share one line (n_leaves: the number of parameter arrays, to count them by)."""
+    # zero1: jit computes each global norm (grad_norm, and clipping's) from the gradient slices: one partial sum
+    # of squares per parameter and norm, each a scalar all-reduce (XLA may merge them into one, a tuple).
+    norms = [a for a in found if a.kind == "all-reduce" and id(a) not in grads and id(a) not in gathers
+             and all(s.endswith("[]") for s in a.shapes)]  # fmt: skip
     rows = []
-    for i, a in enumerate(found, 1):
-        b = grads.get(id(a)) or gathers.get(id(a))
-        more = f" + {len(b.names) - 3} more" if b and len(b.names) > 3 else ""
-        what = "gradients" if id(a) in grads else "parameters"
-        what = f"{what}: {', '.join(b.names[:3])}{more}" if b else unplanned if a.bytes > 8 else "loss and token count"
-        rows.append(
-            f"{i:>3}  {a.kind:<14} {a.bytes:>13,}  {' '.join(a.shapes):<18} {'yes' if a.in_loop else 'no':<9}  {what}"
-        )
+    for a in found:
+        if norms and a is norms[0]:
+            shapes = [s for c in norms for s in c.shapes]
+            k = len(shapes)
+            per = f" ({n_leaves} parameters x {k // n_leaves})" if n_leaves and k % n_leaves == 0 else ""
+            how = "in one all-reduce" if len(norms) == 1 else f"in {len(norms)} all-reduces"
+            what = f"gradient norms: {k} partial sums of squares {how}, one per parameter and norm{per}"
+            rows.append(_row(len(rows) + 1, a.kind, sum(c.bytes for c in norms), shapes,
+                             any(c.in_loop for c in norms), what))  # fmt: skip
+        elif not any(a is c for c in norms):
+            b = grads.get(id(a)) or gathers.get(id(a))
+            more = f" + {len(b.names) - 3} more" if b and len(b.names) > 3 else ""
+            what = f"{'gradients' if id(a) in grads else 'parameters'}: {', '.join(b.names[:3])}{more}" if b else ""
+            what = what or (unplanned if a.bytes > 8 else "loss and token count")
+            rows.append(_row(len(rows) + 1, a.kind, a.bytes, a.shapes, a.in_loop, what))
     return rows
+
+
+def _row(i: int, kind: str, nbytes: int, shapes: list[str], in_loop: bool, what: str) -> str:
+    """One line of the table, in the header's columns."""
+    return f"{i:>3}  {kind:<14} {nbytes:>13,}  {_result(shapes):<18} {'yes' if in_loop else 'no':<9}  {what}"
+
+
+def _result(shapes: list[str], width: int = 18) -> str:
+    """A collective's result shapes in at most `width` characters: `f32[2]`, or `72 x f32[]` for a tuple."""
+    counts = {s: shapes.count(s) for s in shapes}  # in order of first appearance
+    text = " ".join(s if k == 1 else f"{k} x {s}" for s, k in counts.items())
+    return text if len(text) <= width else f"{len(shapes)} arrays"
 
 
 def _match(found: list, kind: str, buckets: list, elements: list[int]) -> dict:

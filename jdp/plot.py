@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jdp.config import ConfigError
 from jdp.metrics import read_metrics
 from jdp.rundir import RunDir
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def load_run(run_dir: Path) -> dict[str, list]:
@@ -35,11 +39,13 @@ def load_run(run_dir: Path) -> dict[str, list]:
     }
 
 
-def plot(run_dirs: list[Path], out: Path) -> Path:
+def figure(run_dirs: list[Path]) -> Figure:
+    """The plot of these runs as a matplotlib Figure: loss by step, loss by tokens, and throughput."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     runs = {d: load_run(d) for d in run_dirs}
     fig, (by_step, by_tokens, speed) = plt.subplots(1, 3, figsize=(16, 4.5))
@@ -54,14 +60,33 @@ def plot(run_dirs: list[Path], out: Path) -> Path:
     by_tokens.set(xlabel="tokens", ylabel="loss", title="loss by tokens seen")
     speed.set(xlabel="step", ylabel="tokens / s", title="throughput")
     speed.set_ylim(bottom=0)
+    # matplotlib writes counts below a million in full (100000 200000 ...), and side by side they run together
+    for axis in (by_step.xaxis, by_tokens.xaxis, speed.xaxis, speed.yaxis):
+        axis.set_major_formatter(FuncFormatter(count_label))
     for ax in (by_step, by_tokens, speed):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
+    return fig
+
+
+def plot(run_dirs: list[Path], out: Path) -> Path:
+    """Write the plot of these runs to `out` (a PNG)."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(run_dirs)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def count_label(x: float, _pos: int | None = None) -> str:
+    """A tick's count in a few characters: 50, 1.5k, 800k, 3.2M, 2B."""
+    for size, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= size:
+            return f"{x / size:.4g}{unit}"
+    return f"{x:.4g}"
 
 
 def _label(run_dir: Path, all_dirs: list[Path]) -> str:

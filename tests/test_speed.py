@@ -14,7 +14,7 @@ from test_parallel import CFG, make_batch, params_close, rel_diff
 from jdp import parallel
 from jdp.buckets import bucket_plan
 from jdp.config import OptimConfig
-from jdp.hlo import all_reduces
+from jdp.hlo import Collective, _rows, all_reduces
 from jdp.model import GPT, lm_loss
 from jdp.optim import make_optimizer
 from jdp.world import set_xla_flags
@@ -150,6 +150,52 @@ def test_allreduce_command_reports_buckets_summing_to_parameter_bytes(tmp_path):
     assert sorted(numbers["gradient_bytes"]) == sorted(numbers["planned_bucket_bytes"])
     assert "gradients:" in out.stdout and "blocks.1" in out.stdout
     assert np.all(np.asarray(numbers["gradient_bytes"]) > 0) and numbers["in_loop"] == 0
+
+
+def test_allreduce_zero1_table_summarises_the_norms_scalars_in_one_readable_row():
+    """zero1's norms come from the gradient slices: XLA all-reduces one scalar per parameter and norm, which once
+    filled the result column with dozens of `f32[]` and pushed the rest of the row off the table."""
+    small = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "train.batch_size=8", "data.seq_len=32"]
+    out = subprocess.run(
+        [sys.executable, "-m", "jdp.cli", "allreduce", "tiny", "parallel.strategy=zero1", "--devices", "4"] + small,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        # XLA_FLAGS as in a user's shell: none (this process's keep ddp's all-reduces apart)
+        env={
+            **{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+        },
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("#  kind"))
+    rows = [line for line in lines[header + 1 :] if line[:3].strip().isdigit()]
+    assert len(rows) == 4, out.stdout  # loss and count, the reduce-scatter, the norms, the all-gather
+    loop_at, contents_at = lines[header].index("in a loop"), lines[header].index("contents")
+    for row in rows:  # every row keeps the header's columns
+        assert row.count("f32[]") <= 1, row
+        assert row[loop_at:contents_at].split() in (["no"], ["yes"]), row
+        assert row[contents_at - 1] == " " and row[contents_at] != " ", row
+    norms = next(row for row in rows if "gradient norms" in row)
+    # 12 parameter arrays, each with two norms over the slices: grad_norm and optim.grad_clip's
+    assert "24 x f32[]" in norms and "(12 parameters x 2)" in norms, norms
+
+
+def test_allreduce_table_puts_the_norms_scalar_all_reduces_in_one_row_when_xla_leaves_them_apart():
+    """Without XLA's all-reduce combiner (ddp's CPU flags) each partial sum is an all-reduce of its own."""
+    found = [Collective("all-reduce", "psum", "main", False, ["f32[2]"], 8)]
+    found += [Collective("all-reduce", f"ar.{i}", "main", False, ["f32[]"], 4) for i in range(24)]
+    found += [Collective("all-gather", "ag", "main", False, ["f32[4,6704]"], 107_264)]
+    rows = _rows(found, {}, {}, n_leaves=12)
+    assert len(rows) == 3, rows
+    assert rows[0].split()[1:4] == ["all-reduce", "8", "f32[2]"] and rows[0].endswith("loss and token count")
+    assert rows[1].split()[:6] == ["2", "all-reduce", "96", "24", "x", "f32[]"], rows[1]
+    assert rows[1].endswith(
+        "24 partial sums of squares in 24 all-reduces, one per parameter and norm (12 parameters x 2)"
+    )
+    assert rows[2].split()[0] == "3"
 
 
 SCRATCH_PROGRAM = """
