@@ -5,7 +5,10 @@ Library use: build a Flax NNX model and a loss `loss_fn(model, batch) -> (loss_s
     mesh = jdp.make_mesh()
     graphdef, state = jdp.init_state(model, optimizer, mesh)
     step = jdp.make_train_step(graphdef, loss_fn, optimizer, mesh)
-    state, metrics = step(state, jdp.shard_batch(local_batch, mesh))
+    state, metrics = step(state, jdp.shard_batch(local_batch, mesh))  # donates `state`: go on with the new one
+
+A state passed to the step is consumed (its memory holds the new state); passing it again, a loss that returns a
+mean, or a global batch whose rows do not split into devices x grad_accum raises jdp.ConfigError with the fix.
 
 The names below (and jdp's modules, e.g. `jdp.parallel`) load on first use, so `import jdp` and the `jdp`
 command start without importing JAX.

@@ -17,7 +17,8 @@ from jdp.rundir import RunDir
 
 
 class ConfigError(ValueError):
-    """A config that cannot run; raised before any data is loaded or anything is compiled."""
+    """A config or other input that cannot run (a library call's batch, loss or used state included); raised
+    before any data is loaded or anything is compiled."""
 
 
 @dataclass(frozen=True)
