@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -113,6 +114,30 @@ def _without_comm(state):
     return dataclasses.replace(state, comm=None) if getattr(state, "comm", None) is not None else state
 
 
+class _ReadOnlyNotice(logging.Filter):
+    """Drops orbax's warnings that a manager is read-only (`CheckpointManagerOptions.read_only=True, setting
+    ...`, `Given directory is read only=...`): jdp asked for it. Every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(
+            ("CheckpointManagerOptions.read_only=True", "Given directory is read only")
+        )
+
+
+@contextlib.contextmanager
+def _quiet_read_only_warnings(read_only: bool):
+    """Around a read-only manager's construction: only orbax's read-only notices are silenced, nothing else."""
+    if not read_only:
+        yield
+        return
+    absl_log, notice = logging.getLogger("absl"), _ReadOnlyNotice()
+    absl_log.addFilter(notice)
+    try:
+        yield
+    finally:
+        absl_log.removeFilter(notice)
+
+
 class Checkpoints:
     """The run's checkpoints under RUN_DIR/checkpoints/STEP: train state + a JSON record (step, data, config).
 
@@ -127,22 +152,16 @@ class Checkpoints:
         self.run_dir = RunDir(Path(run_dir).absolute())
         self.dir = self.run_dir.checkpoints
         self.read_only = read_only
-        if read_only:
-            options = ocp.CheckpointManagerOptions(
-                read_only=True, create=False, cleanup_tmp_directories=False, enable_async_checkpointing=False
-            )
-        else:
-            options = ocp.CheckpointManagerOptions(
-                max_to_keep=keep, create=True, cleanup_tmp_directories=True, enable_async_checkpointing=True
-            )
-        absl_log = logging.getLogger("absl")
-        level = absl_log.level
-        if read_only:
-            absl_log.setLevel(logging.ERROR)  # orbax warns that the directory is read-only: that is the point
-        try:
+        with _quiet_read_only_warnings(read_only):  # orbax warns while building the options, not the manager
+            if read_only:
+                options = ocp.CheckpointManagerOptions(
+                    read_only=True, create=False, cleanup_tmp_directories=False, enable_async_checkpointing=False
+                )
+            else:
+                options = ocp.CheckpointManagerOptions(
+                    max_to_keep=keep, create=True, cleanup_tmp_directories=True, enable_async_checkpointing=True
+                )
             self.manager = ocp.CheckpointManager(self.dir, options=options)
-        finally:
-            absl_log.setLevel(level)
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())

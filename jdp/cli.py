@@ -42,7 +42,7 @@ def _device_ids(text: str) -> tuple[int, ...]:
 
 def _train(args: argparse.Namespace) -> int:
     from jdp import world as jobs
-    from jdp.config import load_config
+    from jdp.config import explicit_keys, load_config
 
     jobs.watch_launcher()  # a worker of `jdp launch` never outlives it
     config, overrides = split_config_args(args.args)
@@ -57,7 +57,7 @@ def _train(args: argparse.Namespace) -> int:
     from jdp.train import RunError, train
 
     try:
-        train(cfg, world)
+        train(cfg, world, explicit_keys(overrides))
     except (RunError, ConfigError) as e:
         print(f"jdp: error: {e}", file=sys.stderr, flush=True)
         code = 1 if isinstance(e, RunError) else 2
@@ -236,7 +236,10 @@ COMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     """Every command's arguments; building it imports nothing heavy (no JAX), so `jdp --help` is instant."""
+    from jdp import __version__
+
     parser = argparse.ArgumentParser(prog="jdp", description="Data-parallel training of Flax models with JAX.")
+    parser.add_argument("--version", action="version", version=f"jdp {__version__}")
     sub = parser.add_subparsers(dest="command_name", required=True)
     for name, (run, arguments, summary, description, example) in COMMANDS.items():
         p = sub.add_parser(name, help=summary, description=description, epilog=f"example: {example}")

@@ -202,12 +202,8 @@ def run(args: argparse.Namespace) -> int:
 
 def export(args: argparse.Namespace) -> int:
     """`jdp export RUN_DIR OUT_DIR [--step N]`: a checkpoint as a GPT-2 directory transformers loads."""
-    cfg, model, tokenizer, step = load_run(args.run_dir, args.step)
-    files = hf.export(model, cfg, args.out_dir, cfg.data.tokenizer, getattr(tokenizer, "eod_id", None))
-    note = (
-        ""
-        if cfg.data.tokenizer != "byte"
-        else " (byte tokenizer: no tokenizer files; ids 0-255 are bytes, 256 ends a document)"
-    )
+    cfg, model, _, step = load_run(args.run_dir, args.step)
+    files = hf.export(model, cfg, args.out_dir, cfg.data.tokenizer)
+    note = " (byte tokenizer: ids 0-255 are bytes, 256 ends a document)" if cfg.data.tokenizer == "byte" else ""
     print(f"jdp | {args.run_dir}: checkpoint at step {step} -> {args.out_dir}: {', '.join(files)}{note}")
     return 0

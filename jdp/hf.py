@@ -6,8 +6,11 @@ so every tensor maps one to one. Another architecture is one more `Architecture`
 
 Import reads the tensors with safetensors' numpy API (no torch), from one `model.safetensors` or the shards of a
 `model.safetensors.index.json`, one tensor at a time; `parallel.init_state` then places them, replicated, on every
-device of every process (each process reads the files itself). Export writes GPT-2's names and shapes, loadable
-with `transformers.AutoModelForCausalLM.from_pretrained` unchanged.
+device of every process (each process reads the files itself). The model's shape comes from config.json
+(`adopt`): only keys the user set on the command line must agree with it.
+
+Export writes GPT-2's names and shapes, loadable with `transformers.AutoModelForCausalLM.from_pretrained`
+unchanged, with only the output rows of ids the tokenizer has (transformers would give the padding probability).
 """
 
 from __future__ import annotations
@@ -85,7 +88,6 @@ GPT2 = Architecture(
     tied_output="lm_head.weight",
 )
 _GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")  # jax.nn.gelu(approximate=True), one formula
-SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "mlp_ratio", "max_seq_len")
 
 
 def is_hf_dir(path: str | Path) -> bool:
@@ -150,25 +152,57 @@ def model_config(path: str | Path, base: ModelConfig | None = None) -> ModelConf
     return dataclasses.replace(base or ModelConfig(), **model_fields(read_config(path)), vocab_valid=0)
 
 
-def checked_config(m: ModelConfig, path: str | Path) -> ModelConfig:
-    """`m` checked against the model in `path`; a padded vocabulary gets model.vocab_valid set to the real one."""
-    want = model_fields(read_config(path))
-    wrong = [f"model.{k}={getattr(m, k)} but {path} has {want[k]}" for k in SHAPE_FIELDS if getattr(m, k) != want[k]]
-    if wrong:
-        fix = " ".join(f"model.{k}={want[k]}" for k in SHAPE_FIELDS if getattr(m, k) != want[k])
-        raise ConfigError(
-            f"train.init_from={path}: the config's model is not the one in {CONFIG}: " + "; ".join(wrong) +
-            f". Add the overrides: {fix}"
-        )  # fmt: skip
-    vocab = want["vocab_size"]
-    if m.vocab_size < vocab:
-        raise ConfigError(
-            f"train.init_from={path}: its vocabulary has {vocab} ids but model.vocab_size={m.vocab_size}; set "
-            f"model.vocab_size to {vocab} or more (a multiple of 64 is fastest, e.g. {-(-vocab // 64) * 64})"
-        )
-    if m.vocab_valid not in (0, vocab) or (m.vocab_size == vocab and m.vocab_valid):
-        raise ConfigError(f"train.init_from={path}: model.vocab_valid={m.vocab_valid}; leave it 0 (import sets it)")
-    return dataclasses.replace(m, vocab_valid=vocab if m.vocab_size > vocab else 0)
+VOCAB_MULTIPLE = 64  # an imported vocabulary is padded to a multiple of this: faster embedding and output matmuls
+
+
+@dataclass(frozen=True)
+class Adopted:
+    """A model config made to be the one in a directory: what it took from config.json, and what it could not."""
+
+    model: ModelConfig
+    read: dict  # config.json's values, as jdp's ModelConfig fields
+    changes: list[str]  # "model.d_model 128 -> 64 (from config.json)"
+    conflicts: list[str]  # keys set on the command line that config.json contradicts: "model.d_model=128 (...)"
+
+
+def adopt(m: ModelConfig, path: str | Path, explicit: frozenset[str] = frozenset()) -> Adopted:
+    """`m` with every field config.json determines taken from it, except those in `explicit` (the keys the user
+    set, `model.d_model`), which are kept and must agree. The vocabulary is padded to a multiple of 64 unless
+    model.vocab_size is explicit (then it must hold config.json's ids); model.vocab_valid marks the padding."""
+    read = model_fields(read_config(path))
+    vocab = read["vocab_size"]
+    padded = -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    values, changes, conflicts = {}, [], []
+    for key, theirs in read.items():
+        name, ours, why = f"model.{key}", getattr(m, key), "from config.json"
+        if key == "vocab_size":
+            if name in explicit:
+                if ours < vocab:
+                    conflicts.append(
+                        f"{name}={ours} (config.json has {vocab} ids: give {vocab} or more, e.g. {padded})"
+                    )
+                continue
+            theirs = padded
+            why = f"config.json's {vocab} ids, padded to a multiple of {VOCAB_MULTIPLE}" if padded > vocab else why
+        elif key == "bias":
+            why = "GPT-2 has biases"
+        if name in explicit:
+            # model.bias=false is left to load_model, which accepts it only if the file's biases are all zero
+            if ours != theirs and key != "bias":
+                conflicts.append(f"{name}={ours} (config.json: {theirs})")
+        elif ours != theirs:
+            values[key] = theirs
+            changes.append(f"{name} {ours} -> {theirs} ({why})")
+    size = values.get("vocab_size", m.vocab_size)
+    valid = vocab if size > vocab else 0
+    if m.vocab_valid != valid:
+        if "model.vocab_valid" in explicit:
+            conflicts.append(f"model.vocab_valid={m.vocab_valid} (the import sets it: leave it out)")
+        else:
+            values["vocab_valid"] = valid
+            padding = f"ids {vocab}-{size - 1} are padding and never get probability" if valid else "no padding"
+            changes.append(f"model.vocab_valid {m.vocab_valid} -> {valid} ({padding})")
+    return Adopted(dataclasses.replace(m, **values), read, changes, conflicts)
 
 
 class Weights:
@@ -268,18 +302,26 @@ def load_model(m: ModelConfig, path: str | Path):
     return model, Imported(str(path), n_read, time.perf_counter() - start, peak_mb)
 
 
-def export(model, cfg, out_dir: str | Path, tokenizer_path: str = "byte", eod_id: int | None = None) -> list[str]:
+def export(model, cfg, out_dir: str | Path, tokenizer_path: str = "byte") -> list[str]:
     """Write `model` (jdp's GPT, config `cfg`) as a GPT-2 directory: config.json, model.safetensors, and the
-    tokenizer's files when it is a Hugging Face one. Refuses a directory that is not empty; writes to a temporary
-    directory beside it and renames it into place, so OUT_DIR is either complete or absent."""
+    tokenizer's files (for the byte tokenizer, a tokenizer.json that encodes like it). Refuses a directory that is
+    not empty; writes to a temporary directory beside it and renames it into place, so OUT_DIR is either complete
+    or absent.
+
+    Only the output rows of ids the tokenizer has are written (config.json's vocab_size is that count): the
+    padding rows, which jdp never samples (model.vocab_valid, or a byte model's 320 rows for 257 ids), would
+    otherwise get probability in transformers."""
     from safetensors.numpy import save_file
+
+    from jdp.tokens import load_tokenizer
 
     m = cfg.model
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} exists and is not an empty directory; give a new directory (nothing was written)")
+    tokenizer = load_tokenizer(tokenizer_path)
     tokenizer_files = _tokenizer_files(tokenizer_path)
-    vocab = m.vocab_valid or m.vocab_size
+    vocab = min(m.vocab_valid or m.vocab_size, tokenizer.vocab_size)
     params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     tensors = {}
     for name, where in GPT2.table(m.n_layers).items():
@@ -291,7 +333,6 @@ def export(model, cfg, out_dir: str | Path, tokenizer_path: str = "byte", eod_id
         if name == "wte.weight":
             value = value[:vocab]
         tensors[GPT2.prefix + name] = np.ascontiguousarray(value)
-    eod = vocab - 1 if eod_id is None else eod_id
     hf_config = {
         "architectures": [GPT2.class_name],
         "model_type": GPT2.model_type,
@@ -307,8 +348,8 @@ def export(model, cfg, out_dir: str | Path, tokenizer_path: str = "byte", eod_id
         "embd_pdrop": 0.0,
         "attn_pdrop": 0.0,
         "tie_word_embeddings": True,
-        "bos_token_id": eod,
-        "eos_token_id": eod,
+        "bos_token_id": tokenizer.eod_id,
+        "eos_token_id": tokenizer.eod_id,
         "dtype": "float32",
     }
     tmp = out.with_name(out.name + ".tmp-export")
@@ -319,6 +360,8 @@ def export(model, cfg, out_dir: str | Path, tokenizer_path: str = "byte", eod_id
     (tmp / CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n")
     for source, name in tokenizer_files:
         shutil.copy2(source, tmp / name)
+    if tokenizer_path == "byte":
+        _write_byte_tokenizer(tmp)
     if out.exists():
         out.rmdir()
     tmp.rename(out)
@@ -333,3 +376,27 @@ def _tokenizer_files(spec: str) -> list[tuple[Path, str]]:
     if p.is_file():
         return [(p, "tokenizer.json")]  # the `tokenizers` format, whatever the file was called
     return [(p / name, name) for name in TOKENIZER_FILES if (p / name).is_file()]
+
+
+def _write_byte_tokenizer(out: Path) -> None:
+    """tokenizer.json (+ tokenizer_config.json) for jdp's byte tokenizer, so the export is self-contained: a BPE
+    without merges over GPT-2's byte alphabet, id b for byte b, and <|endoftext|> as id 256, the next one."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.BPE(vocab={_BYTE_CHARS[b]: b for b in range(256)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(_EOD, special=True)])
+    tokenizer.save(str(out / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": _EOD, "eos_token": _EOD}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, the alphabet of `tokenizers`' ByteLevel pre-tokenizer."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # "!".."~", "¡".."¬", "®".."ÿ"
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+_BYTE_CHARS, _EOD = _byte_chars(), "<|endoftext|>"

@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,10 +66,11 @@ def tree_bytes(tree) -> int:
     return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def opt_bytes_per_device(cfg: Config, strategy: str, n: int) -> int:
-    """The optimizer state one device holds: all of it (ddp), or its slice of every leaf plus the scalars
-    (zero1, with the padding to a multiple of n; exactly what parallel.OptLayout places)."""
-    _, params, _, opt_state = abstract_state(cfg)
+def opt_bytes_per_device(cfg: Config, strategy: str, n: int, state: tuple | None = None) -> int:
+    """The optimizer state one device holds: all of it (ddp; dp's master), or its slice of every leaf plus the
+    scalars (zero1, with the padding to a multiple of n; exactly what parallel.OptLayout places). `state`: an
+    abstract_state(cfg) already traced."""
+    _, params, _, opt_state = state or abstract_state(cfg)
     if strategy != "zero1":
         return tree_bytes(opt_state)
     optimizer, _ = make_optimizer(cfg.optim, cfg.train.steps)
@@ -112,6 +114,30 @@ class Memory:
     @property
     def total(self) -> int:
         return self.params + self.grads + self.accumulator + self.opt_state + self.activations
+
+
+def fused_attention(cfg: Config, platform: str = "gpu") -> bool:
+    """Whether the step runs cuDNN's fused attention: on GPUs "auto" is cuDNN's kernel, which jax uses for 16-bit
+    compute dtypes only; CPUs run the written-out one."""
+    return platform == "gpu" and cfg.model.attention in ("auto", "cudnn") and cfg.model.dtype != "float32"
+
+
+def device_memory(
+    cfg: Config, devices: int, micro_batch: int, fused: bool, strategy: str | None = None, state: tuple | None = None
+) -> Memory:
+    """What one device holds during a step of `strategy` (default: the config's) on `devices` devices; for dp,
+    the master, which also keeps the optimizer state and receives every device's gradients. `state`: an
+    abstract_state(cfg) already traced."""
+    strategy = strategy or cfg.parallel.strategy
+    state = state or abstract_state(cfg)
+    param_bytes = tree_bytes(state[1])
+    return Memory(
+        params=param_bytes,
+        grads=param_bytes * (devices if strategy == "dp" else 1),  # one gradient per parameter, in its dtype
+        accumulator=param_bytes if cfg.train.grad_accum > 1 else 0,
+        opt_state=opt_bytes_per_device(cfg, strategy, devices, state),
+        activations=activation_bytes(cfg, micro_batch, fused),
+    )
 
 
 def fit_note(total: int, gpu_name: str) -> str:
@@ -279,8 +305,9 @@ class Plan:
         return out
 
 
-def calibrated_mfu(run_dir: str | Path) -> tuple[float, str]:
-    """The median MFU over a run's metrics.jsonl records, and a sentence saying where it came from."""
+def calibrated_mfu(run_dir: str | Path, gpu: str = "H100") -> tuple[float, str]:
+    """The median MFU over a run's metrics.jsonl records, and a sentence saying where it came from; refused when
+    the run trained on CPUs, noted when on another GPU than `gpu`."""
     run = RunDir(run_dir)
     path = run.metrics
     if not path.is_file():
@@ -289,13 +316,35 @@ def calibrated_mfu(run_dir: str | Path) -> tuple[float, str]:
     if not values:
         raise ConfigError(f"--calibrate {run_dir}: no record in metrics.jsonl has an mfu (the run was too short?)")
     mfu = statistics.median(values)
-    summary = run.summary
-    devices = json.loads(summary.read_text()).get("devices") if summary.is_file() else None
+    summary = json.loads(run.summary.read_text()) if run.summary.is_file() else {}
+    devices = summary.get("devices")
     where = f" on {devices} device(s)" if devices else ""
     note = f"calibrated: median MFU of {len(values)} records of {path}{where}"
     if devices and devices > 1:
         note += " (its MFU includes that run's exposed all-reduce, so the compute term is conservative)"
-    return mfu, note
+    return mfu, note + _device_note(run, summary, gpu)
+
+
+def _device_note(run: RunDir, summary: dict, gpu: str) -> str:
+    """Whether a run's MFU carries over to `gpu`, judged by the device its summary.json names."""
+    kind, platform = summary.get("device_kind"), summary.get("platform")
+    if platform == "cpu" or (platform is None and str(kind).lower() == "cpu"):
+        raise ConfigError(
+            f"--calibrate {run.path}: that run trained on CPU devices ({run.summary.name}: platform "
+            f"{platform or 'cpu'}, device_kind {kind!r}); a CPU run's MFU is against the CPU's measured matmul rate, "
+            f"not a GPU's datasheet peak, so it says nothing about {gpu}. Calibrate with a run on {gpu}, or give "
+            f"--mfu"
+        )
+    if not isinstance(kind, str):
+        return (
+            f"; note: {run.summary} does not name the device the run trained on (an unfinished run, or an older "
+            f"jdp), so its MFU is applied to {gpu} unchecked"
+        )
+    if not re.search(rf"\b{re.escape(gpu)}\b", kind.upper()):  # "NVIDIA H100 80GB HBM3" is an H100; "L40S" no L4
+        return (
+            f"; note: that run trained on {kind}, not {gpu}: MFU differs between GPUs, so this one may not carry over"
+        )
+    return ""
 
 
 def make_planner(
@@ -367,7 +416,7 @@ def make_plan(
         raise ConfigError(f"--devices {devices} must be at least 1")
     derived = validate(cfg, devices)  # the per-device batch, exactly as `jdp train` would derive it
     if calibrate is not None:
-        mfu, mfu_source = calibrated_mfu(calibrate)
+        mfu, mfu_source = calibrated_mfu(calibrate, gpu)
         run_config = RunDir(calibrate).config
         if run_config.is_file() and load_config(run_config).model != cfg.model:
             mfu_source += "; note: that run trained a different model (its config.yaml), so its MFU may not carry over"
@@ -376,19 +425,13 @@ def make_plan(
     else:
         mfu, mfu_source = DEFAULT_MFU, "assumed (--mfu or --calibrate RUN_DIR to change)"
     planner = make_planner(cfg, gpu, interconnect, bandwidth_gbs, mfu)
-    # On GPUs "auto" is cuDNN's fused kernel, which jax uses for 16-bit compute dtypes only.
-    fused = cfg.model.attention in ("auto", "cudnn") and cfg.model.dtype != "float32"
-    memory = Memory(
-        params=planner.param_bytes,
-        grads=planner.param_bytes,  # one gradient per parameter, in the parameter's dtype
-        accumulator=planner.param_bytes if cfg.train.grad_accum > 1 else 0,
-        opt_state=opt_bytes_per_device(cfg, cfg.parallel.strategy, devices),
-        activations=activation_bytes(cfg, derived.micro_batch, fused),
-    )
+    fused = fused_attention(cfg)
+    state = abstract_state(cfg)
+    memory = device_memory(cfg, devices, derived.micro_batch, fused, state=state)
     b = derived.per_device_batch
     choices = []
     for strategy in ("ddp", "zero1"):
-        opt = opt_bytes_per_device(cfg, strategy, devices)
+        opt = opt_bytes_per_device(cfg, strategy, devices, state)
         s = dataclasses.replace(planner, strategy=strategy).step(devices, b)
         total = memory.total - memory.opt_state + opt
         choices.append(Choice(strategy, opt, total, s.exposed_s, s.step_s, s.tokens_per_s))

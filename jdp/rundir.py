@@ -63,6 +63,30 @@ class RunDir:
     def wandb_run_id(self) -> Path:
         return self.path / "wandb-run-id"  # the same W&B run across restarts
 
+    def checkpoint_steps(self) -> list[int]:
+        """The steps of the complete checkpoints on disk (an unfinished save's temporary directory is not one)."""
+        if not self.checkpoints.is_dir():
+            return []
+        return sorted(int(p.name) for p in self.checkpoints.iterdir() if p.name.isdigit() and p.is_dir())
+
+    def unusable(self) -> str | None:
+        """Why jdp must not write into this path (None when it may): it is a file, or a directory that holds files
+        of something other than a jdp run (a typo'd train.run_dir=. or =~/data must not get checkpoints and
+        archives mixed into it)."""
+        if self.path.exists() and not self.path.is_dir():
+            return f"train.run_dir={self.path} is a file, not a directory; give a new or empty directory, or a run's"
+        if not self.path.is_dir():
+            return None
+        entries = sorted(p.name for p in self.path.iterdir())
+        if not entries or any(_is_jdp_file(name) for name in entries):
+            return None
+        shown = ", ".join(entries[:5]) + (f", ... ({len(entries)} entries)" if len(entries) > 5 else "")
+        return (
+            f"train.run_dir={self.path} is not empty and is not a jdp run directory (it holds {shown}); jdp writes "
+            f"checkpoints and metrics there and moves old runs' files around, so it takes only a new or empty "
+            f"directory or one a jdp run wrote. Give another train.run_dir"
+        )
+
     def data_state(self, step: int, process: int) -> Path:
         """Where a streaming run keeps process `process`'s stream position after step `step`."""
         return self.path / "data_state" / str(step) / f"process_{process}.json"
@@ -110,6 +134,17 @@ class RunDir:
         for p in old:
             shutil.move(str(p), str(dest / p.name))
         return dest
+
+
+# What a jdp run leaves in its directory (RunDir's paths, the lock, archives of earlier runs, `jdp plot`'s PNG).
+_JDP_FILES = {
+    "config.yaml", "checkpoints", "damaged-checkpoints", "metrics.jsonl", "metrics.superseded.jsonl",
+    "metrics.damaged.jsonl", "summary.json", "tensorboard", "wandb", "wandb-run-id", "data_state", "plot.png",
+}  # fmt: skip
+
+
+def _is_jdp_file(name: str) -> bool:
+    return name in _JDP_FILES or name.startswith((".jdp-lock", "archived-"))
 
 
 class RunDirEscape(ValueError):

@@ -10,17 +10,19 @@ import time
 
 import jax
 import numpy as np
+import yaml
 from jax.experimental import multihost_utils
 
 from jdp import hf, parallel
 from jdp.build import build
-from jdp.checkpoint import Checkpoints, check_resumable
+from jdp.checkpoint import Checkpoints, check_resumable, config_differences
 from jdp.config import Config, ConfigError, save_config, validate
 from jdp.coordination import PeerMonitor, announce_departure, first_departure
 from jdp.corpus import cache_root
 from jdp.data import load_data
 from jdp.faults import Faults
 from jdp.loop import Loop, Phases, Result, Setup
+from jdp.memory import check_memory
 from jdp.metrics import MetricsLog, fingerprint, flops_per_token, lost_steps, params_sha256, peak_flops, supersede
 from jdp.model import lm_loss
 from jdp.rundir import RunDir, RunDirEscape, RunDirInUse, RunLock
@@ -31,8 +33,9 @@ class RunError(RuntimeError):
     """Training failed; the message names the process and the phase it was in."""
 
 
-def train(cfg: Config, world: World | None = None) -> dict:
-    """Train the configured GPT; returns the last train and eval metrics (and the final state)."""
+def train(cfg: Config, world: World | None = None, explicit: frozenset[str] = frozenset()) -> dict:
+    """Train the configured GPT; returns the last train and eval metrics (and the final state). `explicit`: the
+    keys the user set on the command line (`model.d_model`, ...), which an import must agree with."""
     if world is None:
         try:
             world = resolve_world()
@@ -48,8 +51,9 @@ def train(cfg: Config, world: World | None = None) -> dict:
             run_dir.check_contained()
         except RunDirEscape as e:
             raise ConfigError(str(e)) from None
-        hold(lock)
-        s = setup(cfg, world, phases)
+        if (complete := hold(lock, run_dir, cfg)) is not None:
+            return already_complete(run_dir, complete)
+        s = setup(cfg, world, phases, explicit)
         result = Loop(s).run()
         with phases("writing the summary"):
             return finish(s, world, result)
@@ -69,32 +73,80 @@ def train(cfg: Config, world: World | None = None) -> dict:
         lock.release()
 
 
-def hold(lock: RunLock) -> None:
-    """Process 0 takes the run directory's lock for the whole job; every process learns whether it got it."""
-    problem = ""
+def hold(lock: RunLock, run_dir: RunDir, cfg: Config) -> int | None:
+    """Process 0 takes the run directory's lock for the whole job (refusing a path jdp must not write into) and
+    looks whether the run is already complete; every process learns the outcome. Returns the complete run's step."""
+    problem, complete = "", -1
     if jax.process_index() == 0:
         try:
-            if dead := lock.acquire():
+            problem = run_dir.unusable() or ""
+            if not problem and (dead := lock.acquire()):
                 print(
                     f"jdp: warning: took over {lock.path} from a job that is gone (process {dead['pid']} on "
                     f"{dead['host']}, started {dead['started']})",
                     file=sys.stderr,
                     flush=True,
                 )
+            complete = -1 if problem else completed_step(run_dir, cfg)
         except RunDirInUse as e:
             problem = str(e)
-    if jax.process_count() > 1 and multihost_utils.broadcast_one_to_all(np.int32(bool(problem))) and not problem:
-        problem = f"{lock.path.parent} is in use by another job (process 0 names it)"
+        except OSError as e:  # cannot create the directory or the lock: read-only, no permission, a file on the way
+            why = e.strerror or type(e).__name__
+            problem = (
+                f"train.run_dir={run_dir.path} cannot be written: {why} ({e.filename or run_dir.path}); give a "
+                f"train.run_dir on a writable file system"
+            )
+    if jax.process_count() > 1:
+        flag, complete = multihost_utils.broadcast_one_to_all(np.array([bool(problem), complete], np.int32))
+        if flag and not problem:
+            problem = f"{run_dir.path} cannot be used by this job (process 0 names why)"
     if problem:
         raise ConfigError(problem)
+    return None if complete < 0 else int(complete)
 
 
-def setup(cfg: Config, world: World, phases: Phases) -> Setup:
+def completed_step(run_dir: RunDir, cfg: Config) -> int:
+    """The step a finished run ended at, if re-running `cfg` has nothing to do (a scheduler's retry, a repeated
+    command); else -1. Finished: its summary says it ended (not preempted) at its newest checkpoint, at or past
+    train.steps, and its config.yaml differs from `cfg` in nothing that would change the computation (a changed one
+    goes on to setup, whose restore names the difference)."""
+    steps = run_dir.checkpoint_steps()
+    if not cfg.train.resume or not steps or steps[-1] < cfg.train.steps:
+        return -1
+    try:
+        summary = json.loads(run_dir.summary.read_text())
+        saved = yaml.safe_load(run_dir.config.read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return -1
+    if not isinstance(summary, dict) or summary.get("steps") != steps[-1] or summary.get("preempted"):
+        return -1
+    if not isinstance(saved, dict) or config_differences(saved, json.loads(json.dumps(cfg.to_dict()))):
+        return -1
+    return steps[-1]
+
+
+def already_complete(run_dir: RunDir, step: int) -> dict:
+    """What train() returns for a run with nothing left to do: its summary, untouched on disk."""
+    if jax.process_index() == 0:
+        print(
+            f"jdp: run already complete at step {step} ({run_dir.path}); nothing was changed. Raise train.steps to "
+            f"train further, or set train.resume=false to start over",
+            flush=True,
+        )
+    try:
+        summary = json.loads(run_dir.summary.read_text())
+    except (OSError, ValueError):
+        summary = {}
+    return {"already_complete": step, "loss": summary.get("loss"), "eval_loss": summary.get("eval_loss")}
+
+
+def setup(cfg: Config, world: World, phases: Phases, explicit: frozenset[str] = frozenset()) -> Setup:
     """Everything before the first step: mesh, data, state and steps, the run directory, a checkpoint to resume."""
     t = cfg.train
-    cfg = checked_import(cfg) if t.init_from else cfg
+    cfg, adopted = checked_import(cfg, explicit) if t.init_from else (cfg, [])
     mesh = parallel.make_mesh()
     derived = validate(cfg, mesh.devices.size, jax.process_count())
+    check_memory(cfg, derived, mesh)  # before anything is allocated: a run too large is refused here
     is_main = jax.process_index() == 0
     run_dir = RunDir(t.run_dir)
     cache = use_compilation_cache(cache_root(cfg.data) / "xla") if t.compile_cache else None
@@ -152,6 +204,8 @@ def setup(cfg: Config, world: World, phases: Phases) -> Setup:
         print(banner(cfg, world, derived, data, n_params, peak, peak_source, run_dir, resumed_from, cache))
         if imported:
             print(f"jdp | {imported.describe() if resumed_from is None else 'train.init_from not used: resuming'}")
+        for change in adopted:  # what the import took from config.json
+            print(f"jdp | {change}")
         save_config(cfg, run_dir.path)
     log = MetricsLog(
         run_dir.metrics,
@@ -180,14 +234,32 @@ def comm_change(saved: dict | None, now: dict | None) -> str:
     )
 
 
-def checked_import(cfg: Config) -> Config:
-    """The model must be the one in train.init_from; a padded vocabulary gets model.vocab_valid."""
+def checked_import(cfg: Config, explicit: frozenset[str] = frozenset()) -> tuple[Config, list[str]]:
+    """The config with train.init_from's model: (config, what the import changed, to print at start).
+
+    The model's keys come from the directory's config.json, and data.seq_len is lowered to its positions, except
+    where the command line set them (`explicit`): those must agree, and all that do not are one error."""
+    path = cfg.train.init_from
     if cfg.data.tokenizer == "byte":
         raise ConfigError(
-            f"train.init_from={cfg.train.init_from} with data.tokenizer=byte: the imported model's ids are its own "
-            f"tokenizer's; set data.tokenizer to it (e.g. data.tokenizer={cfg.train.init_from})"
+            f"train.init_from={path} with data.tokenizer=byte: the imported model's ids are its own "
+            f"tokenizer's; set data.tokenizer to it (e.g. data.tokenizer={path})"
         )
-    return dataclasses.replace(cfg, model=hf.checked_config(cfg.model, cfg.train.init_from))
+    adopted = hf.adopt(cfg.model, path, explicit)
+    changes, conflicts, data = list(adopted.changes), list(adopted.conflicts), cfg.data
+    positions = adopted.read["max_seq_len"]
+    if data.seq_len > positions:
+        if "data.seq_len" in explicit:
+            conflicts.append(f"data.seq_len={data.seq_len} (config.json's model has {positions} positions)")
+        else:
+            changes.append(f"data.seq_len {data.seq_len} -> {positions} (the model's positions, from config.json)")
+            data = dataclasses.replace(data, seq_len=positions)
+    if conflicts:
+        raise ConfigError(
+            f"train.init_from={path}: the command line contradicts its {hf.CONFIG}:\n  " + "\n  ".join(conflicts)
+            + f"\nLeave these keys out (the import takes {hf.CONFIG}'s values) or set them to agree"
+        )  # fmt: skip
+    return dataclasses.replace(cfg, model=adopted.model, data=data), changes
 
 
 def banner(cfg: Config, world: World, derived, data, n_params, peak, peak_source, run_dir, resumed_from, cache) -> str:
@@ -233,6 +305,8 @@ def finish(s: Setup, world: World, r: Result) -> dict:
         "wall_s": time.time() - s.phases.started,
         "world": world.describe(),
         "devices": s.derived.n_devices,
+        "platform": jax.devices()[0].platform,  # what `jdp plan --calibrate` checks the run against
+        "device_kind": jax.devices()[0].device_kind,
         "goodput": r.goodput,
         "params_sha256": params_sha256(r.state.params),
         "params_fingerprint": fingerprint(r.state.params),

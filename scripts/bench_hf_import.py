@@ -62,7 +62,7 @@ def measure(config: str, path: str) -> dict:
     out = {"devices": jax.device_count(), "peak_mb_before": peak()}
     cfg = load_config(config, [f"train.init_from={path}"])
     t0 = time.perf_counter()
-    m = hf.checked_config(cfg.model, path)
+    m = hf.adopt(cfg.model, path).model
     model, info = hf.load_model(m, path)
     t1 = time.perf_counter()
     out.update(n_params=info.n_params, read_s=t1 - t0, peak_mb_after_read=peak())

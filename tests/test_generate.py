@@ -2,7 +2,10 @@
 
 import argparse
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +14,7 @@ from flax import nnx
 
 from jdp.cli import generate_arguments
 from jdp.config import ConfigError, load_config
-from jdp.generate import generate, load_run, run, sample_tokens
+from jdp.generate import generate, load, load_run, run, sample_tokens
 from jdp.metrics import params_sha256
 from jdp.train import train
 
@@ -145,3 +148,26 @@ def test_a_damaged_latest_checkpoint_falls_back_and_stays_where_it_is(run_dir, t
         truncate(copy / "checkpoints" / str(step))
     with pytest.raises(ConfigError, match=r"none of the checkpoints \[10, 20, 30\]"):
         load_run(copy)
+
+
+def jdp_command(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "jdp.cli", *args], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_generate_and_export_print_no_absl_warnings_and_the_export_generates_alike(run_dir, loaded, tmp_path):
+    """orbax's notices that the read-only manager is read-only are not shown; the byte export samples as the run."""
+    sampled = jdp_command("generate", str(run_dir), "--prompt", PROMPT, "--max-new-tokens", "8", "--temperature", "0")
+    out = tmp_path / "exported"
+    exported = jdp_command("export", str(run_dir), str(out))
+    for done in (sampled, exported):
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "WARNING:absl" not in done.stdout + done.stderr, done.stderr
+    _, model, tokenizer, _ = loaded
+    greedy = generate(model, tokenizer, PROMPT, max_new_tokens=8, temperature=0.0)
+    assert sampled.stdout == greedy + "\n"
+    _, back, back_tokenizer, step = load(out)  # what `jdp generate OUT_DIR` runs
+    assert step is None and back.cfg.vocab_size == back_tokenizer.vocab_size == 257
+    assert generate(back, back_tokenizer, PROMPT, max_new_tokens=8, temperature=0.0) == greedy

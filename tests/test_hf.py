@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -24,6 +25,7 @@ from jdp.generate import load, load_run, sample_tokens
 FIXTURE = Path(__file__).parent / "data" / "hf-gpt2-tiny"
 INPUTS, REFERENCE = np.load(FIXTURE / "inputs.npy"), np.load(FIXTURE / "logits.npy")
 V = REFERENCE.shape[-1]  # 320
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
 def tensors(path: Path) -> dict[str, np.ndarray]:
@@ -44,7 +46,7 @@ def test_import_gives_torchs_logits():
 
 
 def test_a_padded_vocabulary_is_masked_and_exported_unpadded(tmp_path):
-    m = hf.checked_config(dataclasses.replace(hf.model_config(FIXTURE), vocab_size=384), FIXTURE)
+    m = padded_fixture()
     assert m.vocab_valid == V
     model, _ = imported(m)
     logits = np.asarray(model(INPUTS))
@@ -53,10 +55,15 @@ def test_a_padded_vocabulary_is_masked_and_exported_unpadded(tmp_path):
     assert (logits[..., V:] <= -1e29).all()  # the padding never gets probability
     log_probs = np.asarray(jax.nn.log_softmax(logits))[..., :V]
     np.testing.assert_allclose(log_probs, np.asarray(jax.nn.log_softmax(REFERENCE)), atol=1e-5, rtol=0)
-    hf.export(model, _config(m), tmp_path / "out", str(FIXTURE / "tokenizer.json"), 0)
+    hf.export(model, _config(m), tmp_path / "out", str(FIXTURE / "tokenizer.json"))
     assert {k: v.shape for k, v in tensors(tmp_path / "out").items()} == {
         k: v.shape for k, v in tensors(FIXTURE).items()
     }
+
+
+def padded_fixture() -> ModelConfig:
+    """The fixture's model with model.vocab_size=384 set on the command line: 64 padding ids."""
+    return hf.adopt(ModelConfig(vocab_size=384), FIXTURE, frozenset({"model.vocab_size"})).model
 
 
 def _config(m: ModelConfig):
@@ -67,7 +74,7 @@ def _config(m: ModelConfig):
 
 def test_export_round_trips_every_tensor_and_config_key(tmp_path):
     model, _ = imported()
-    files = hf.export(model, _config(hf.model_config(FIXTURE)), tmp_path / "out", str(FIXTURE), 0)
+    files = hf.export(model, _config(hf.model_config(FIXTURE)), tmp_path / "out", str(FIXTURE))
     assert files == ["config.json", "model.safetensors", "tokenizer.json"]
     original, exported = tensors(FIXTURE), tensors(tmp_path / "out")
     assert sorted(original) == sorted(exported)
@@ -84,13 +91,11 @@ def test_export_round_trips_every_tensor_and_config_key(tmp_path):
 
 
 def test_a_bias_free_model_exports_zero_biases_and_imports_back(tmp_path):
-    from flax import nnx
-
     from jdp.model import GPT
 
     m = ModelConfig(vocab_size=V, max_seq_len=64, d_model=64, n_layers=2, n_heads=4)
     model = GPT(m, nnx.Rngs(3))
-    hf.export(model, _config(m), tmp_path / "out")
+    hf.export(model, _config(m), tmp_path / "out", str(FIXTURE / "tokenizer.json"))
     exported = tensors(tmp_path / "out")
     assert not exported["transformer.h.1.mlp.c_fc.bias"].any() and exported["transformer.h.1.mlp.c_fc.bias"].shape == (
         256,
@@ -157,13 +162,6 @@ def test_bad_directories_and_mismatched_configs_are_clear_errors(tmp_path):
     (tmp_path / "empty" / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match="has neither model.safetensors nor"):
         hf.read_config(tmp_path / "empty")
-    m = hf.model_config(FIXTURE)
-    with pytest.raises(
-        ConfigError, match=r"model.d_model=128 but .* has 64.*overrides: model.d_model=64 model.n_layers=2"
-    ):
-        hf.checked_config(dataclasses.replace(m, d_model=128, n_layers=4), FIXTURE)
-    with pytest.raises(ConfigError, match="its vocabulary has 320 ids but model.vocab_size=256; .* e.g. 320"):
-        hf.checked_config(dataclasses.replace(m, vocab_size=256), FIXTURE)
     missing = _copy_with(tmp_path / "a", drop=["transformer.h.1.ln_2.bias"])
     with pytest.raises(ConfigError, match="missing h.1.ln_2.bias"):
         imported(path=missing)
@@ -176,6 +174,95 @@ def test_bad_directories_and_mismatched_configs_are_clear_errors(tmp_path):
     (missing / hf.WEIGHTS).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
     with pytest.raises(ConfigError, match="not a readable safetensors file"):
         imported(path=missing)
+
+
+def _import_config(overrides=(), path=FIXTURE):
+    """checked_import of `jdp train tiny train.init_from=PATH data.tokenizer=PATH OVERRIDES...`."""
+    from jdp.config import explicit_keys, load_config
+    from jdp.train import checked_import
+
+    overrides = [f"train.init_from={path}", f"data.tokenizer={path}", *overrides]
+    return checked_import(load_config("tiny", overrides), explicit_keys(overrides))
+
+
+def test_the_model_comes_from_config_json_and_only_explicit_keys_must_agree():
+    cfg, changes = _import_config()
+    assert cfg.model == hf.model_config(FIXTURE)  # not tiny's 4 blocks of 128
+    assert cfg.data.seq_len == 64
+    assert changes == [
+        "model.max_seq_len 128 -> 64 (from config.json)",
+        "model.d_model 128 -> 64 (from config.json)",
+        "model.n_layers 4 -> 2 (from config.json)",
+        "model.bias False -> True (GPT-2 has biases)",
+        "data.seq_len 128 -> 64 (the model's positions, from config.json)",
+    ]
+    agreeing, _ = _import_config(["model.d_model=64", "model.n_layers=2", "data.seq_len=32"])
+    assert agreeing.model == cfg.model and agreeing.data.seq_len == 32  # a shorter seq_len is the user's choice
+    with pytest.raises(ConfigError) as e:  # every disagreement at once, with config.json's values
+        _import_config(["model.d_model=128", "model.n_layers=4", "data.seq_len=128", "model.vocab_size=256"])
+    assert str(e.value) == (
+        f"train.init_from={FIXTURE}: the command line contradicts its config.json:\n"
+        "  model.vocab_size=256 (config.json has 320 ids: give 320 or more, e.g. 320)\n"
+        "  model.d_model=128 (config.json: 64)\n"
+        "  model.n_layers=4 (config.json: 2)\n"
+        "  data.seq_len=128 (config.json's model has 64 positions)\n"
+        "Leave these keys out (the import takes config.json's values) or set them to agree"
+    )
+
+
+def test_an_imported_vocabulary_is_padded_to_a_multiple_of_64_unless_set(tmp_path):
+    wte = tensors(FIXTURE)["transformer.wte.weight"]
+    d = _copy_with(tmp_path, config={"vocab_size": 300}, extra={"transformer.wte.weight": wte[:300]})
+    cfg, changes = _import_config(path=d)
+    assert (cfg.model.vocab_size, cfg.model.vocab_valid) == (320, 300)
+    assert "model.vocab_valid 0 -> 300 (ids 300-319 are padding and never get probability)" in changes
+    cfg, changes = _import_config(["model.vocab_size=384"], path=d)
+    assert (cfg.model.vocab_size, cfg.model.vocab_valid) == (384, 300)
+    cfg, changes = _import_config(["model.vocab_size=300"], path=d)
+    assert (cfg.model.vocab_size, cfg.model.vocab_valid) == (300, 0)
+    with pytest.raises(
+        ConfigError, match=r"model.vocab_size=256 \(config.json has 300 ids: give 300 or more, e.g. 320"
+    ):
+        _import_config(["model.vocab_size=256"], path=d)
+    with pytest.raises(ConfigError, match=r"model.vocab_valid=100 \(the import sets it: leave it out\)"):
+        _import_config(["model.vocab_valid=100"], path=d)
+    # the parameters are the file's, plus only the 20 padding rows (not a 50304-row default vocabulary)
+    model, info = hf.load_model(_import_config(path=d)[0].model, d)
+    n_params = sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert info.n_params == sum(v.size for v in tensors(d).values()) and n_params == info.n_params + 20 * 64
+
+
+def _byte_model(seed: int = 5):
+    """A fresh byte-level GPT as `jdp train tiny` makes it: 320 output rows for the byte tokenizer's 257 ids."""
+    from jdp.model import GPT
+
+    m = ModelConfig(vocab_size=320, max_seq_len=64, d_model=64, n_layers=2, n_heads=4)
+    return m, GPT(m, nnx.Rngs(seed))
+
+
+TEXT = "héllo, wörld ✓\n\tdef f(x):\n\t\treturn x"
+
+
+def test_a_byte_export_has_only_the_byte_tokenizers_ids_and_their_probabilities(tmp_path):
+    from jdp.tokens import ByteTokenizer
+
+    m, model = _byte_model()
+    out = tmp_path / "out"
+    files = hf.export(model, _config(m), out)
+    assert files == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert tensors(out)["transformer.wte.weight"].shape == (257, 64)  # not 320: ids 257-319 never exist
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["vocab_size"] == 257 and exported["eos_token_id"] == 256
+    cfg, back, tokenizer, _ = load(out)  # `jdp generate OUT_DIR` and a re-import read it like this
+    byte = ByteTokenizer()
+    ids = byte.encode_batch([TEXT])[0]
+    assert tokenizer.encode_batch([TEXT])[0].tolist() == ids.tolist() and tokenizer.decode(ids) == TEXT
+    assert (tokenizer.vocab_size, tokenizer.eod_id, cfg.model.vocab_size) == (257, 256, 257)
+    inputs = ids[None, :32].astype(np.int32)
+    run = np.asarray(model(inputs))
+    assert np.asarray(jax.nn.softmax(run))[..., 257:].sum(-1).min() > 0.05  # what the unused rows took before
+    renormalised = np.asarray(jax.nn.softmax(run[..., :257]))
+    np.testing.assert_allclose(np.asarray(jax.nn.softmax(np.asarray(back(inputs)))), renormalised, atol=1e-6, rtol=0)
 
 
 def test_generate_samples_from_a_hugging_face_directory():
@@ -208,7 +295,7 @@ def _train_args(tmp_path, run_dir, steps):
 
 
 def _jdp(args, devices=2, env=None):
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **(env or {})}
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **OFFLINE, **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "jdp.cli", *args], env=env, capture_output=True, text=True, timeout=600
     )
@@ -243,9 +330,37 @@ def test_fine_tune_on_2_devices_export_import_and_resume(tmp_path):
     assert not np.allclose(trained, REFERENCE, atol=1e-3)  # three steps moved it
 
     wrong = _jdp([*_train_args(tmp_path, tmp_path / "other", 3), "model.d_model=128"], devices=1)
-    assert wrong.returncode == 2 and "Add the overrides: model.d_model=64" in wrong.stderr
+    assert wrong.returncode == 2 and "model.d_model=128 (config.json: 64)" in wrong.stderr
     byte = _jdp([*_train_args(tmp_path, tmp_path / "other", 3), "data.tokenizer=byte"], devices=1)
     assert byte.returncode == 2 and "with data.tokenizer=byte" in byte.stderr
+
+
+@pytest.mark.slow
+def test_train_takes_the_model_from_config_json_and_prints_what_it_took(tmp_path):
+    """No model keys on the command line: config.json's model trains (not tiny's 4 x 128 with a 25x parameter
+    count), and the changes are printed; explicit keys that disagree are one error, before any compute."""
+    args = [
+        "train", "tiny", f"train.init_from={FIXTURE}", f"data.tokenizer={FIXTURE}", f"data.source={_corpus(tmp_path)}",
+        "train.steps=2", "train.batch_size=4", "train.eval_every=0", "train.progress=false",
+        f"train.run_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}",
+    ]  # fmt: skip
+    run = _jdp(args, devices=1)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    for change in ["model.max_seq_len 128 -> 64 (from config.json)", "model.d_model 128 -> 64 (from config.json)",
+                   "model.n_layers 4 -> 2 (from config.json)", "data.seq_len 128 -> 64 (the model's positions, "
+                   "from config.json)"]:  # fmt: skip
+        assert f"jdp | {change}" in lines, run.stdout
+    assert "jdp | model 124,672 parameters" in run.stdout and "(124,672 parameters read" in run.stdout
+    assert "d_model: 64" in (tmp_path / "run" / "config.yaml").read_text()
+
+    wrong = _jdp([*args, f"train.run_dir={tmp_path / 'other'}", "model.d_model=128", "model.n_heads=8"], devices=1)
+    assert wrong.returncode == 2, wrong.stderr[-3000:]
+    assert [line for line in wrong.stderr.splitlines() if line.startswith("jdp: error:")] == [
+        f"jdp: error: train.init_from={FIXTURE}: the command line contradicts its config.json:"
+    ]
+    assert "  model.d_model=128 (config.json: 64)\n  model.n_heads=8 (config.json: 4)\n" in wrong.stderr
+    assert "Traceback" not in wrong.stderr and not (tmp_path / "other" / "metrics.jsonl").exists()
 
 
 @pytest.mark.slow
@@ -267,14 +382,12 @@ def test_transformers_loads_the_export(tmp_path):
     """The live check: transformers' own GPT-2 reads the export and computes jdp's logits."""
     torch = pytest.importorskip("torch", reason="the live transformers check needs torch (pip install -e .[hf])")
     transformers = pytest.importorskip("transformers", reason="the live check needs transformers (.[hf])")
-    from flax import nnx
-
-    m = hf.checked_config(dataclasses.replace(hf.model_config(FIXTURE), vocab_size=384), FIXTURE)
+    m = padded_fixture()
     model, _ = imported(m)
     params = nnx.state(model, nnx.Param)  # moved off the fixture's values, as training would
     noise = jax.tree.map(lambda p: 0.02 * np.random.default_rng(p.size).standard_normal(p.shape), params)
     nnx.update(model, jax.tree.map(lambda p, n: (p + n).astype(np.float32), params, noise))
-    hf.export(model, _config(m), tmp_path / "out", str(FIXTURE), 0)
+    hf.export(model, _config(m), tmp_path / "out", str(FIXTURE))
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
         logits = theirs(torch.from_numpy(INPUTS.astype(np.int64))).logits.numpy()
@@ -284,19 +397,43 @@ def test_transformers_loads_the_export(tmp_path):
     assert np.abs(ours - REFERENCE).max() > 1e-2  # not the fixture's own logits
 
 
+def test_transformers_gives_a_byte_export_only_the_tokenizers_ids(tmp_path):
+    """The live check of the byte tokenizer's export: transformers' probabilities are jdp's over the 257 ids it
+    can produce (none for the padding rows), and its tokenizer encodes bytes as jdp does."""
+    torch = pytest.importorskip("torch", reason="the live transformers check needs torch (pip install -e .[hf])")
+    transformers = pytest.importorskip("transformers", reason="the live check needs transformers (.[hf])")
+    from jdp.tokens import ByteTokenizer
+
+    m, model = _byte_model()
+    hf.export(model, _config(m), tmp_path / "out")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    ids = ByteTokenizer().encode_batch([TEXT])[0]
+    assert tokenizer(TEXT)["input_ids"] == ids.tolist() and tokenizer.eos_token_id == 256
+    inputs = ids[None, :32].astype(np.int64)
+    with torch.no_grad():
+        probs = torch.softmax(theirs(torch.from_numpy(inputs)).logits, -1).numpy()
+    ours = np.asarray(jax.nn.softmax(np.asarray(model(inputs.astype(np.int32)))[..., :257]))
+    print(f"transformers {transformers.__version__}: max |probability difference| {np.abs(probs - ours).max():.2e}")
+    assert probs.shape[-1] == 257
+    np.testing.assert_allclose(probs, ours, atol=1e-6, rtol=0)
+
+
 def test_gpt2_finetune_fits_gpt2_small_and_new_keys_do_not_block_resume(tmp_path):
     from jdp.checkpoint import config_differences
     from jdp.config import load_config, validate
+    from jdp.train import checked_import
 
     d = tmp_path / "gpt2"
     d.mkdir()
     small = {"model_type": "gpt2", "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12}
     (d / "config.json").write_text(json.dumps(small))
     (d / "model.safetensors").write_bytes(b"")
-    cfg = load_config("gpt2-finetune", [f"train.init_from={d}", f"data.tokenizer={d}"])
-    m = hf.checked_config(cfg.model, d)
+    cfg, changes = checked_import(load_config("gpt2-finetune", [f"train.init_from={d}", f"data.tokenizer={d}"]))
+    m = cfg.model
     assert m.vocab_valid == 50257 and m.vocab_size == 50304 and m.bias
-    validate(dataclasses.replace(cfg, model=m), n_devices=8)
+    assert changes == ["model.vocab_valid 0 -> 50257 (ids 50257-50303 are padding and never get probability)"]
+    validate(cfg, n_devices=8)
     with pytest.raises(ConfigError, match="model.vocab_valid=400 is more than model.vocab_size=320"):
         validate(load_config("tiny", ["model.vocab_valid=400"]), n_devices=1)
     # a checkpoint written before model.bias, model.vocab_valid and train.init_from existed resumes as their defaults

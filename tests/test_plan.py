@@ -4,6 +4,9 @@ import argparse
 import dataclasses
 import json
 import math
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -235,6 +238,45 @@ def test_calibration_from_a_run_directory(tmp_path):
     assert "different model" in plan.make_plan(cfg, 2, calibrate=tmp_path).mfu_source
     with pytest.raises(ConfigError, match="metrics.jsonl"):
         plan.make_plan(cfg, 2, calibrate=tmp_path / "missing")
+
+
+def _run_dir(path, summary: dict):
+    record = {"step": 10, "loss": 4.0, "tokens_per_sec": 1000.0, "mfu": 0.59}
+    (path / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    (path / "summary.json").write_text(json.dumps({"devices": 4, **summary}))
+    return path
+
+
+def test_calibration_refuses_a_cpu_run_and_notes_another_gpu(tmp_path):
+    cfg = load_config("tiny", TINY)
+    cpu = _run_dir(tmp_path, {"platform": "cpu", "device_kind": "cpu"})
+    with pytest.raises(ConfigError, match=r"trained on CPU devices.*says nothing about H100.*--mfu"):
+        plan.make_plan(cfg, 2, calibrate=cpu)
+    (cpu / "summary.json").write_text(json.dumps({"device_kind": "cpu"}))  # a platform inferred from the kind
+    with pytest.raises(ConfigError, match="CPU"):
+        plan.make_plan(cfg, 2, calibrate=cpu)
+    a100 = _run_dir(tmp_path, {"platform": "gpu", "device_kind": "NVIDIA A100-SXM4-80GB"})
+    assert "trained on NVIDIA A100-SXM4-80GB, not H100" in plan.make_plan(cfg, 2, calibrate=a100).mfu_source
+    same = plan.make_plan(cfg, 2, gpu="A100", calibrate=a100)
+    assert same.mfu == 0.59 and "note" not in same.mfu_source
+    l40s = _run_dir(tmp_path, {"platform": "gpu", "device_kind": "NVIDIA L40S"})
+    assert "not L4" in plan.make_plan(cfg, 2, gpu="L4", calibrate=l40s).mfu_source  # an L40S is no L4
+    unknown = _run_dir(tmp_path, {})  # a run that never finished, or an older jdp: no device named
+    assert "does not name the device" in plan.make_plan(cfg, 2, calibrate=unknown).mfu_source
+
+
+def test_jdp_plan_refuses_to_calibrate_an_h100_with_a_cpu_run(tmp_path):
+    cpu = _run_dir(tmp_path, {"platform": "cpu", "device_kind": "cpu"})
+    out = subprocess.run(
+        [sys.executable, "-m", "jdp.cli", "plan", "tiny", *TINY, "--devices", "2", "--calibrate", str(cpu)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+        timeout=300,
+    )
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith(f"jdp: error: --calibrate {cpu}: that run trained on CPU devices")
+    assert "Traceback" not in out.stderr
 
 
 def test_unknown_gpu_or_interconnect_lists_the_known_ones():

@@ -165,3 +165,84 @@ def test_a_cut_off_last_line_in_metrics_jsonl_does_not_block_resume_or_plot(tmp_
     assert (run_dir / "metrics.damaged.jsonl").read_text() == '{"step": 7, "loss": 2.71\n'
     steps = [r["step"] for r in read_metrics(log) if "loss" in r]
     assert steps == sorted(set(steps)) and steps[-1] == 9  # whole again, every step once
+
+
+def _files(run_dir) -> dict:
+    """Every file under a run directory and its bytes."""
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def test_a_finished_run_run_again_changes_nothing_and_raising_steps_continues_it(tmp_path):
+    """A scheduler's retry of a finished run: `jdp train` says so, exits 0, and leaves every file byte-identical
+    (no second evaluation, summary or goodput record); a larger train.steps still continues it."""
+    import os
+
+    run_dir = tmp_path / "run"
+    args = ["tiny", *SMALL, "train.steps=6", f"train.run_dir={run_dir}"]
+    first = train(load_config(args[0], args[1:]))
+    before = _files(run_dir)
+    again = subprocess.run([sys.executable, "-m", "jdp.cli", "train", *args], capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"jdp: run already complete at step 6 ({run_dir})" in again.stdout, again.stdout
+    assert "compil" not in again.stdout.lower() and "goodput" not in again.stdout
+    assert _files(run_dir) == before
+    in_process = train(load_config(args[0], args[1:]))  # the library says the same
+    assert in_process["already_complete"] == 6 and in_process["loss"] == first["loss"]
+    assert _files(run_dir) == before
+    more = train(load_config(args[0], [*args[1:-2], "train.steps=9", f"train.run_dir={run_dir}"]))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 9 and summary["resumed_from"] == 6 and more["loss"] == summary["loss"]
+    assert (summary["platform"], summary["device_kind"]) == ("cpu", "cpu")  # what `jdp plan --calibrate` checks
+    evals = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "eval_loss" in r]
+    assert evals == [6, 9]  # each evaluation once
+
+
+def test_a_changed_config_on_a_finished_run_is_refused_not_called_complete(tmp_path):
+    run_dir = tmp_path / "run"
+    train(load_config("tiny", [*SMALL, "train.steps=3", f"train.run_dir={run_dir}"]))
+    with pytest.raises(
+        ConfigError, match=r"refusing to resume: the config changes what training computes:\n  optim.lr"
+    ):
+        train(load_config("tiny", [*SMALL, "train.steps=3", "optim.lr=0.01", f"train.run_dir={run_dir}"]))
+
+
+def _jdp_train_error(run_dir, capsys) -> tuple[int, str]:
+    from jdp.cli import main
+
+    code = main(["train", "tiny", *SMALL, "train.steps=2", f"train.run_dir={run_dir}"])
+    return code, capsys.readouterr().err
+
+
+def test_a_run_dir_that_is_a_file_or_holds_other_files_is_refused_with_exit_2(tmp_path, capsys):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine\n")
+    code, err = _jdp_train_error(a_file, capsys)
+    assert code == 2 and f"train.run_dir={a_file} is a file, not a directory" in err, err
+    code, err = _jdp_train_error(a_file / "run", capsys)  # a file on the way
+    assert code == 2 and "cannot be written: Not a directory" in err and str(a_file) in err, err
+    assert "Traceback" not in err and "failed while" not in err
+    (tmp_path / "data").mkdir()
+    for name in ("a.jsonl", "b.jsonl", "notes"):
+        (tmp_path / "data" / name).write_text("{}\n")
+    code, err = _jdp_train_error(tmp_path / "data", capsys)
+    assert code == 2 and "is not empty and is not a jdp run directory (it holds a.jsonl, b.jsonl, notes)" in err
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["a.jsonl", "b.jsonl", "notes"]  # untouched
+    assert a_file.read_text() == "mine\n"
+
+
+def test_a_run_dir_on_a_read_only_file_system_is_exit_2_naming_the_path(tmp_path, capsys):
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)], check=True,
+                       capture_output=True)  # fmt: skip
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"mounting a read-only tmpfs needs root: {e}")
+    try:
+        code, err = _jdp_train_error(mount / "run", capsys)
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+    assert code == 2, err
+    assert f"train.run_dir={mount / 'run'} cannot be written: Read-only file system" in err, err
+    assert "Traceback" not in err and "failed while" not in err

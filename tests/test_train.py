@@ -44,7 +44,7 @@ def run_cli(args, capsys):
         (["train.batch_size=30"], ["train.batch_size=30", "not divisible", "devices (4)", "multiple of 4"]),
         (["train.batch_size=32", "train.grad_accum=3"], ["train.grad_accum (3)", "multiple of 12"]),
         (["data.seq_len=512"], ["data.seq_len=512", "model.max_seq_len=128"]),
-        (["train.stepz=3"], ["unknown config key 'train.stepz'", "train.steps", "optim.lr"]),
+        (["train.stepz=3"], ["unknown config key 'train.stepz': did you mean train.steps"]),
         (["train.steps=many"], ["train.steps=many", "expected int"]),
         (["data.source=/nonexistent/corpus/*.jsonl"], ["no data files found", "/nonexistent/corpus"]),
     ],
