@@ -9,7 +9,6 @@ bucket is buckets.py's.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from jdp.buckets import Bucket, bucket_plan
 from jdp.config import ConfigError
+from jdp.guards import RefusingDonated, check_batch, check_rows, checked_loss, checking_rows
 from jdp.hooks import CommHook, GradBucket, Mean, varying
 
 # Where the README of earlier versions told library users to find them; they live in world.py now.
@@ -34,119 +34,6 @@ AXIS = "data"
 # loss_fn(model, batch) -> (sum of per-token losses, sum of token weights) on one device's slice.
 LossFn = Callable[[nnx.Module, dict[str, jax.Array]], tuple[jax.Array, jax.Array]]
 Batch = dict[str, Any]
-
-
-# What a library user can get wrong, refused in jdp's words before anything runs (JAX's own errors name reshapes,
-# tracers and tiling factors). Each check costs nothing per step: it runs while the step is traced, or is O(1).
-
-
-def _check_rows(path: tuple, rows: int | None, n_devices: int, grad_accum: int, where: str) -> None:
-    """Refuse a batch leaf (rows: its global rows; None: a scalar) that does not split into n_devices x
-    grad_accum equal micro-batches."""
-    name = f"batch{jax.tree_util.keystr(path)}"
-    if rows is None:
-        raise ConfigError(f"{where}: {name} is a scalar; every leaf of a batch holds rows along its first axis")
-    per_step = n_devices * grad_accum
-    if rows % per_step == 0:
-        return
-    lo = max(per_step, rows // per_step * per_step)
-    over = f"devices ({n_devices}) x grad_accum ({grad_accum}) = {per_step}" if grad_accum > 1 else "the mesh's"
-    other = f", or a grad_accum that divides its {rows // n_devices} rows per device" if rows % n_devices == 0 else ""
-    raise ConfigError(
-        f"{where}: a global batch of {rows} rows ({name}) does not split evenly over {over}"
-        f"{'' if grad_accum > 1 else f' {n_devices} devices'}; use a multiple of {per_step} rows, "
-        f"e.g. {lo} or {lo + per_step}{other}"
-    )
-
-
-def _check_batch(batch: Batch, n_devices: int, grad_accum: int, where: str = "train step") -> None:
-    """_check_rows for every leaf of a global batch (arrays, tracers or shapes)."""
-    for path, x in jax.tree_util.tree_leaves_with_path(batch):
-        _check_rows(path, x.shape[0] if x.shape else None, n_devices, grad_accum, where)
-
-
-def _checking_rows(fn: Callable, n_devices: int, grad_accum: int, where: str = "train step") -> Callable:
-    """fn(..., global batch), refusing while it is traced a batch that _check_batch refuses."""
-
-    def checked(*args):
-        _check_batch(args[-1], n_devices, grad_accum, where)
-        return fn(*args)
-
-    return checked
-
-
-def _shape_of(x) -> str:
-    """float32[16] for an array or tracer, the type's name for anything else."""
-    if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return f"{x.dtype}[{','.join(map(str, x.shape))}]"
-    return type(x).__name__
-
-
-def _checked_loss(loss_fn: LossFn) -> LossFn:
-    """loss_fn, refusing (while the step traces it) an output that is not the contract's two scalars."""
-
-    @functools.wraps(loss_fn)
-    def loss(model, batch):
-        out = loss_fn(model, batch)
-        pair = isinstance(out, tuple | list) and len(out) == 2
-        if pair and all(isinstance(x, int | float) or getattr(x, "shape", None) == () for x in out):
-            return out
-        if pair:
-            got = f"a pair ({_shape_of(out[0])}, {_shape_of(out[1])}), not two scalars"
-        elif isinstance(out, tuple | list):
-            got = f"a {type(out).__name__} of {len(out)}: ({', '.join(_shape_of(x) for x in out)})"
-        else:
-            got = f"one value, {_shape_of(out)}" + (" (a mean?)" if getattr(out, "shape", None) == () else "")
-        raise ConfigError(
-            f"loss_fn must return (loss_sum, weight_sum), two scalars: the sum of the per-example (or per-token) "
-            f"losses over the rows it is given and their number (or total weight), from which jdp forms the exact "
-            f"mean over every device; {getattr(loss_fn, '__name__', 'loss_fn')} returned {got}. Return sums, e.g. "
-            f"`return losses.sum(), jnp.float32(losses.shape[0])`"
-        )
-
-    return loss
-
-
-def _is_deleted(x) -> bool:
-    return bool(getattr(x, "is_deleted", lambda: False)())
-
-
-def _donated_state_error(state) -> ConfigError:
-    """The error for a state the step already consumed, naming its deleted arrays."""
-    gone = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(state) if _is_deleted(x)]
-    return ConfigError(
-        f"this state's arrays were consumed by an earlier train step ({len(gone)} deleted: {', '.join(gone[:3])}"
-        f"{', ...' if len(gone) > 3 else ''}): the step donates the state it is given, so that the new state can "
-        f"reuse its memory. Pass on the state the step returned, `state, metrics = step(state, batch)`, and copy a "
-        f"state you want to keep before stepping it: `old = jax.tree.map(jnp.copy, state)`"
-    )
-
-
-class RefusingDonated:
-    """A train or eval step that refuses a state an earlier step consumed, before dispatch: jaxlib 0.10 crashed
-    (segfault) on one. Checking the step counter is enough and O(1): a step donates every array of the state
-    it is given, and every state the step returns has a new counter. Only a state assembled from parts of
-    different states slips past it: jax 0.12 then raises, re-worded here (jaxlib 0.10 still crashes)."""
-
-    def __init__(self, fn: Callable):
-        self.fn = fn
-
-    def __call__(self, state, batch: Batch):
-        if _is_deleted(getattr(state, "step", None)):
-            raise _donated_state_error(state)
-        try:
-            return self.fn(state, batch)
-        except RuntimeError as e:
-            # Only JAX's refusal of a deleted array becomes ours: a run that failed (out of memory) may have
-            # deleted its donated inputs too, and keeps its own error.
-            if "deleted" not in str(e) or not any(_is_deleted(x) for x in jax.tree.leaves(state)):
-                raise
-            raise _donated_state_error(state) from e
-
-    def __getattr__(self, name: str):  # lower, trace, eval_shape: the jitted step's
-        if "fn" not in self.__dict__:
-            raise AttributeError(name)
-        return getattr(self.fn, name)
 
 
 def make_mesh(devices: list | None = None) -> jax.sharding.Mesh:
@@ -180,7 +67,7 @@ def shard_batch(local: Batch, mesh: jax.sharding.Mesh, global_batch: int | None 
     def put(path, x):
         x = np.asarray(x)
         rows = None if x.ndim == 0 else global_batch if global_batch is not None else x.shape[0] * jax.process_count()
-        _check_rows(path, rows, mesh.devices.size, 1, "shard_batch")
+        check_rows(path, rows, mesh.devices.size, 1, "shard_batch")
         return jax.make_array_from_process_local_data(sharding, x, (rows, *x.shape[1:]))
 
     return jax.tree_util.tree_map_with_path(put, local)
@@ -394,7 +281,7 @@ def _local_sums(graphdef, loss_fn: LossFn, grad_accum: int):
     """This device's (grad of loss sum, loss sum, weight sum) over its rows, in grad_accum micro-batches."""
     if not isinstance(grad_accum, int | np.integer) or grad_accum < 1:
         raise ConfigError(f"grad_accum={grad_accum!r} must be a whole number of micro-batches per step, 1 or more")
-    loss_fn = _checked_loss(loss_fn)
+    loss_fn = checked_loss(loss_fn)
 
     def loss_of(params, rest, micro):
         return loss_fn(nnx.merge(graphdef, params, rest), micro)
@@ -550,7 +437,7 @@ def make_train_step(
             return _update(optimizer, schedule, state, grads, loss, weight)
 
         sharded = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(), P()))
-        return RefusingDonated(jax.jit(_checking_rows(sharded, mesh.devices.size, grad_accum), donate_argnums=0))
+        return RefusingDonated(jax.jit(checking_rows(sharded, mesh.devices.size, grad_accum), donate_argnums=0))
 
     grads_of = _global_grads(graphdef, loss_fn, mesh.devices.size, grad_accum, bucket_mb, reduce_dtype, comm_hook)
 
@@ -571,7 +458,7 @@ def make_train_step(
 
     spec = TrainState(P(), P(), P(), P(), P(AXIS))
     sharded = jax.shard_map(hooked, mesh=mesh, in_specs=(spec, P(AXIS)), out_specs=(spec, P()))
-    return RefusingDonated(jax.jit(_checking_rows(sharded, mesh.devices.size, grad_accum), donate_argnums=0))
+    return RefusingDonated(jax.jit(checking_rows(sharded, mesh.devices.size, grad_accum), donate_argnums=0))
 
 
 def _micro_spec(batch: Batch, n_devices: int, grad_accum: int) -> dict:
@@ -647,7 +534,7 @@ def make_zero1_train_step(
     local_sums = _local_sums(graphdef, loss_fn, grad_accum)
 
     def step(state: TrainState, batch: Batch):
-        _check_batch(batch, n, grad_accum)
+        check_batch(batch, n, grad_accum)
         expected = layout.shapes(optimizer, state.params)
         if [x.shape for x in jax.tree.leaves(state.opt_state)] != [x.shape for x in jax.tree.leaves(expected)]:
             raise ValueError(
@@ -712,7 +599,7 @@ def make_dp_train_step(
         return jax.tree.map(lambda x: x[None], (grads, loss, weight))  # stacked along `data`, not reduced
 
     local = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P(AXIS)), out_specs=P(AXIS))
-    local = jax.jit(_checking_rows(local, mesh.devices.size, grad_accum))
+    local = jax.jit(checking_rows(local, mesh.devices.size, grad_accum))
 
     def update(state: TrainState, stacked):
         grads, loss, weight = jax.tree.map(lambda x: jnp.sum(x, axis=0), stacked)  # the master sums them
@@ -755,19 +642,19 @@ def make_grad_fn(
         in_specs=(P(), P(AXIS)),
         out_specs=(P(), P(), P()),
     )
-    return RefusingDonated(jax.jit(_checking_rows(sharded, mesh.devices.size, grad_accum)))
+    return RefusingDonated(jax.jit(checking_rows(sharded, mesh.devices.size, grad_accum)))
 
 
 def make_eval_step(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh):
     """(state, global batch) -> (loss sum, weight sum) over the whole global batch; no update."""
-    loss_fn = _checked_loss(loss_fn)
+    loss_fn = checked_loss(loss_fn)
 
     def step(params, rest, batch: Batch):
         loss, weight = loss_fn(nnx.merge(graphdef, params, rest), batch)
         return jax.lax.psum(loss, AXIS), jax.lax.psum(weight, AXIS)
 
     sharded = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P(AXIS)), out_specs=(P(), P()))
-    jitted = jax.jit(_checking_rows(sharded, mesh.devices.size, 1, "eval step"))
+    jitted = jax.jit(checking_rows(sharded, mesh.devices.size, 1, "eval step"))
     return RefusingDonated(lambda state, batch: jitted(state.params, state.rest, batch))  # no optimizer state needed
 
 

@@ -175,8 +175,10 @@ def _tokenize_into(cache: Path, key: str, ds, val_ds, tokenizer, cfg: DataConfig
         is_val = docs.choose(cfg.val_tokens, seed)
         if is_val.sum() >= n_docs:
             raise ConfigError(
-                f"data.source={cfg.source}: holding out data.val_tokens={cfg.val_tokens} for validation would "
-                f"leave no training documents; lower data.val_tokens (0 switches evaluation off)"
+                f"data.source={cfg.source}: holding out data.val_tokens={cfg.val_tokens:,} for validation would "
+                f"leave no training documents: it holds {len(docs.stream):,} tokens in {n_docs:,} documents. Lower "
+                f"data.val_tokens, e.g. data.val_tokens={len(docs.stream) // 10} (a tenth of it), or 0 to switch "
+                f"evaluation off"
             )
         tokens = Tokens(docs.take(~is_val), docs.take(is_val), n_docs, n_empty)
     else:  # the validation split, bounded by data.val_tokens like a hold-out; nothing is held out of training

@@ -625,6 +625,8 @@ def test_load_data_errors(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_data(big, vocab_size=320, batch_size=2, seed=0)
     assert "no training documents" in str(e.value) and "data.val_tokens" in str(e.value)
+    total = int(str(e.value).split("it holds ")[1].split(" tokens")[0].replace(",", ""))
+    assert total > 0 and f"data.val_tokens={total // 10} (a tenth of it)" in str(e.value)  # what fits, counted
 
     # val_tokens=1 holds out one document, shorter than seq_len + 1 tokens: no validation window.
     tiny_val = _cfg(tmp_path, src, seq_len=200, val_tokens=1)
