@@ -51,9 +51,10 @@ def train(cfg: Config, world: World | None = None, explicit: frozenset[str] = fr
             run_dir.check_contained()
         except RunDirEscape as e:
             raise ConfigError(str(e)) from None
+        cfg, adopted = checked_import(cfg, explicit) if cfg.train.init_from else (cfg, [])
         if (complete := hold(lock, run_dir, cfg)) is not None:
             return already_complete(run_dir, complete)
-        s = setup(cfg, world, phases, explicit)
+        s = setup(cfg, world, phases, adopted)
         result = Loop(s).run()
         with phases("writing the summary"):
             return finish(s, world, result)
@@ -140,10 +141,10 @@ def already_complete(run_dir: RunDir, step: int) -> dict:
     return {"already_complete": step, "loss": summary.get("loss"), "eval_loss": summary.get("eval_loss")}
 
 
-def setup(cfg: Config, world: World, phases: Phases, explicit: frozenset[str] = frozenset()) -> Setup:
-    """Everything before the first step: mesh, data, state and steps, the run directory, a checkpoint to resume."""
+def setup(cfg: Config, world: World, phases: Phases, adopted: list[str] = ()) -> Setup:
+    """Everything before the first step: mesh, data, state and steps, the run directory, a checkpoint to resume.
+    `adopted`: what checked_import took from train.init_from's config.json, to print."""
     t = cfg.train
-    cfg, adopted = checked_import(cfg, explicit) if t.init_from else (cfg, [])
     mesh = parallel.make_mesh()
     derived = validate(cfg, mesh.devices.size, jax.process_count())
     check_memory(cfg, derived, mesh)  # before anything is allocated: a run too large is refused here

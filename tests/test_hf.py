@@ -353,6 +353,11 @@ def test_train_takes_the_model_from_config_json_and_prints_what_it_took(tmp_path
         assert f"jdp | {change}" in lines, run.stdout
     assert "jdp | model 124,672 parameters" in run.stdout and "(124,672 parameters read" in run.stdout
     assert "d_model: 64" in (tmp_path / "run" / "config.yaml").read_text()
+    # run again, it is complete: the config it compares with the saved one is the imported model's
+    before = {p: p.read_bytes() for p in sorted((tmp_path / "run").rglob("*")) if p.is_file()}
+    again = _jdp(args, devices=1)
+    assert again.returncode == 0 and f"jdp: run already complete at step 2 ({tmp_path / 'run'})" in again.stdout
+    assert {p: p.read_bytes() for p in sorted((tmp_path / "run").rglob("*")) if p.is_file()} == before
 
     wrong = _jdp([*args, f"train.run_dir={tmp_path / 'other'}", "model.d_model=128", "model.n_heads=8"], devices=1)
     assert wrong.returncode == 2, wrong.stderr[-3000:]
