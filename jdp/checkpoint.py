@@ -6,6 +6,8 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
+import re
 import shutil
 import sys
 import time
@@ -138,12 +140,60 @@ def _quiet_read_only_warnings(read_only: bool):
         absl_log.removeFilter(notice)
 
 
+class _RaisedToTheCaller(logging.Filter):
+    """Drops ERROR records whose traceback runs through orbax: a failed background save is logged by orbax from
+    each thread it passes through (absl), and its sibling writes' errors by asyncio when their tasks are collected,
+    but orbax raises it to the next `save` or `wait`, where jdp reports it once (SaveFailed). Every other record
+    passes: warnings, notices, and errors without a traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or not record.exc_info:
+            return True
+        tb = record.exc_info[2]
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename.startswith(_ORBAX):
+                return False
+            tb = tb.tb_next
+        return True
+
+
+_ORBAX = str(Path(ocp.__file__).parent)
+_RAISED_TO_THE_CALLER = _RaisedToTheCaller()
+
+
+class _ClosedLoopCallbacks:
+    """sys.unraisablehook that drops "Event loop is closed": when one write of a save fails, orbax ends that save's
+    event loop, and tensorstore's callbacks for its other writes, finishing later, find it closed. The save's
+    error reaches jdp (SaveFailed); these say nothing more. Every other unraisable error goes to the previous hook."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, unraisable) -> None:
+        if isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed":
+            return
+        self.previous(unraisable)
+
+
+def _quiet_failed_saves() -> None:
+    """Leave a failed save to SaveFailed: orbax, asyncio and tensorstore would each print its traceback too."""
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).addFilter(_RAISED_TO_THE_CALLER)  # adding the same filter again is a no-op
+    if not isinstance(sys.unraisablehook, _ClosedLoopCallbacks):
+        sys.unraisablehook = _ClosedLoopCallbacks(sys.unraisablehook)
+
+
+class SaveFailed(RuntimeError):
+    """A checkpoint could not be written: the message names its step, its directory and the space left there."""
+
+
 class Checkpoints:
     """The run's checkpoints under RUN_DIR/checkpoints/STEP: train state + a JSON record (step, data, config).
 
     Saves are asynchronous (training continues while they are written) and atomic (orbax writes into a
     temporary directory and renames it when complete, so a partial save is never seen as a checkpoint).
-    An error in a background save is raised by the next `save` or by `wait`, never swallowed.
+    An error in a background save is raised, as SaveFailed naming that save's step, by `wait` (at once when
+    `ended`: the loop asks after every step) or the next `save`, never swallowed; its partial directory is removed.
     """
 
     def __init__(self, run_dir: str | Path, keep: int, read_only: bool = False):
@@ -152,6 +202,9 @@ class Checkpoints:
         self.run_dir = RunDir(Path(run_dir).absolute())
         self.dir = self.run_dir.checkpoints
         self.read_only = read_only
+        self.writing: int | None = None  # the step whose asynchronous save may still be running, or may have failed
+        if not read_only:
+            _quiet_failed_saves()
         with _quiet_read_only_warnings(read_only):  # orbax warns while building the options, not the manager
             if read_only:
                 options = ocp.CheckpointManagerOptions(
@@ -173,10 +226,51 @@ class Checkpoints:
         if (comm := getattr(state, "comm", None)) is not None:
             record["comm_checksums"] = checksums(comm)
             items["comm"] = ocp.args.StandardSave(comm)
-        self.manager.save(step, args=ocp.args.Composite(**items, record=ocp.args.JsonSave(record)), force=True)
+        self.wait()  # orbax's save waits for the previous one anyway; this names that one's step if it failed
+        self.writing = step
+        try:
+            self.manager.save(step, args=ocp.args.Composite(**items, record=ocp.args.JsonSave(record)), force=True)
+        except Exception as e:
+            raise self._failed(e) from e
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Block until the save in flight is written; SaveFailed if it could not be (raised once)."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            if self.writing is None:  # a save started on the manager itself
+                raise
+            raise self._failed(e) from e
+        self.writing = None
+
+    def ended(self) -> bool:
+        """Whether the save in flight is over (or there is none): then `wait` returns at once, or raises its error."""
+        # is_saving_in_progress: orbax-checkpoint >= 0.11; without it a failure surfaces at the next save or wait
+        in_progress = getattr(self.manager, "is_saving_in_progress", None)
+        return self.writing is None or (in_progress is not None and not in_progress())
+
+    def _failed(self, e: Exception) -> SaveFailed:
+        """The error of the save of `self.writing`, which is over: its partial directory removed, the space left."""
+        step, self.writing = self.writing, None
+        for partial in self.dir.glob(f"{step}.orbax-checkpoint-tmp*"):  # each process: its disk may be its own
+            shutil.rmtree(partial, ignore_errors=True)
+        code = re.search(r"os_error_code='(\d+)'", str(e))  # tensorstore reports the OS error in its message
+        if code:
+            reason = os.strerror(int(code[1]))
+        elif isinstance(e, OSError) and e.strerror:
+            reason = e.strerror
+        else:
+            reason = f"{type(e).__name__}: {str(e)[:300]}"
+        try:
+            free = f"{shutil.disk_usage(self.dir).free:,} bytes free there"
+        except OSError:
+            free = "free space unknown"
+        newest = max((s for s in self.steps() if s < step), default=None)
+        before = "no checkpoint was saved before it" if newest is None else f"the newest checkpoint is step {newest}"
+        return SaveFailed(
+            f"the checkpoint at step {step} could not be written to {self.dir / str(step)}: {reason} ({free}). "
+            f"The partial checkpoint was removed and {before}: free some space and run the same command to resume"
+        )
 
     def restore_latest(self, state_like, check=lambda record: None, target=None) -> tuple[int, object, dict] | None:
         """The newest checkpoint that restores, warning about (and setting aside) newer ones that do not.

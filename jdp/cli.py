@@ -249,8 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jdp.world import tolerate_broken_pipes
+    from jdp.world import flush_every_line, tolerate_broken_pipes
 
+    flush_every_line()  # each line reaches a file when printed, even if the process is then killed
     tolerate_broken_pipes()  # output to a reader that is gone is dropped; the command goes on
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)

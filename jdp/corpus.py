@@ -205,6 +205,8 @@ def _open_splits(cfg: DataConfig, source: str, streaming: bool) -> tuple[dict, b
         ds = load_saved(cfg, path)
         named = isinstance(ds, datasets.DatasetDict)
         splits = dict(ds) if named else {"train": ds}
+        # Its arrow files, not the directory: datasets' `map` adds cache files beside them.
+        splits = _with_identity(splits, file_identity(f["filename"] for d in splits.values() for f in d.cache_files))
         if streaming:
             splits = {n: d.to_iterable_dataset(num_shards=max(1, min(len(d), 64))) for n, d in splits.items()}
         return splits, named, ""
@@ -212,8 +214,14 @@ def _open_splits(cfg: DataConfig, source: str, streaming: bool) -> tuple[dict, b
         by_split = files_by_split(source, files)
         builder = BUILDERS[Path(files[0]).suffix.lower()]
         unit = f"{UNIT_NAMES[cfg.text_unit]}, data.text_unit={cfg.text_unit}" if builder == "text" else ""
+        identity = file_identity(Path(f) for f in files)
+        # datasets keys its parse of local files by path and mtime only, so a file rewritten under `touch -r`
+        # would come back from its cache as it was: each identity of the files gets a cache of its own.
+        parsed = {} if streaming else {"cache_dir": str(Path(datasets.config.HF_DATASETS_CACHE) / "jdp" / identity)}
         try:
-            splits = datasets.load_dataset(builder, data_files=by_split, streaming=streaming, **_reading(cfg, builder))
+            splits = datasets.load_dataset(
+                builder, data_files=by_split, streaming=streaming, **parsed, **_reading(cfg, builder)
+            )
         except Exception as e:  # datasets fails on empty files with StopIteration, ValueError, ...
             if undecodable := decoding_error(cfg, files, e):
                 raise undecodable from e
@@ -221,11 +229,31 @@ def _open_splits(cfg: DataConfig, source: str, streaming: bool) -> tuple[dict, b
                 f"data.source={cfg.source}: could not read {len(files)} {builder} file(s): "
                 f"{type(e).__name__}: {e or 'no data'} (is it empty or malformed?)"
             ) from e
-        return dict(splits), len(by_split) > 1, unit
+        return _with_identity(dict(splits), identity), len(by_split) > 1, unit
     splits = dict(_from_hub(cfg, source, streaming))
     if cfg.split not in splits and "[" in cfg.split and not streaming:  # a slice such as train[:10%]
         splits[cfg.split] = _from_hub(cfg, source, streaming, split=cfg.split)
     return splits, True, ""
+
+
+def file_identity(paths) -> str:
+    """A digest of each file's path, inode, ctime, size and mtime: it changes when any file's content may have
+    (a rewrite moves the ctime, which no user tool can set back), and costs no read of the data."""
+    stats = []
+    for p in sorted(Path(p).absolute() for p in paths):
+        st = p.stat()
+        stats.append(f"{p}:{st.st_ino}:{st.st_ctime_ns}:{st.st_size}:{st.st_mtime_ns}")
+    return hashlib.sha256("\n".join(stats).encode()).hexdigest()[:16]
+
+
+def _with_identity(splits: dict, identity: str) -> dict:
+    """The splits, each map-style one's datasets fingerprint folded with the identity of the files it was read
+    from: the token cache and datasets' own `map` cache are keyed by fingerprint, which follows only a saved
+    dataset's state.json or a file's path and mtime."""
+    for d in splits.values():
+        if hasattr(d, "_fingerprint"):
+            d._fingerprint = hashlib.sha256(f"{d._fingerprint}:{identity}".encode()).hexdigest()[:16]
+    return splits
 
 
 def _from_hub(cfg: DataConfig, source: str, streaming: bool, **kwargs):

@@ -155,6 +155,7 @@ class Loop:
                 if preempted := stop.should_stop(self.done):
                     break
                 self.step(step + 1, local, position)
+                self.check_background_save()
                 for every, action in self.periodic:
                     if every and self.done % every == 0 and self.done < self.t.steps:
                         self.flush()
@@ -231,6 +232,7 @@ class Loop:
 
     def save(self, step: int) -> None:
         s = self.s
+        self.check_background_save(wait=True)  # the previous save's error names its own step, not this one
         with s.phases(f"saving the checkpoint at step {step}", "checkpoint_s", pause_watchdog=True):
             s.faults.at("save", step)
             if s.cfg.data.streaming:  # each process's own stream position, beside the checkpoint
@@ -253,18 +255,27 @@ class Loop:
             self.saved.add(step)
             s.faults.after_save_started(step)
 
+    def check_background_save(self, wait: bool = False) -> None:
+        """Stop at this step boundary if the checkpoint being written in the background failed (or `wait` for it)."""
+        s = self.s
+        if (step := s.ckpts.writing) is None or not (wait or s.ckpts.ended()):
+            return
+        before, doing = s.phases.now, "waiting for" if wait else "writing"
+        with s.phases(f"{doing} the checkpoint at step {step}", "checkpoint_s", pause_watchdog=wait):
+            s.ckpts.wait()
+        s.phases.now = before  # it was written: an error after this is named by the phase it happens in
+
     def newest_checkpoint_before(self, step: int) -> int | str:
         return max((c for c in self.s.ckpts.steps() if c < step), default="none")
 
     def end(self, preempted: bool) -> None:
         """After the last step: evaluate and save it; after a preemption: save where every process stopped."""
-        s = self.s
+        self.check_background_save()
         if not preempted and self.do_eval:
             self.evaluate(self.t.steps)
         if self.done not in self.saved:
             self.save(self.done)
-        with s.phases(f"waiting for the checkpoint at step {self.done}", "checkpoint_s", pause_watchdog=True):
-            s.ckpts.wait()
+        self.check_background_save(wait=True)
         if preempted and self.is_main:
             print(
                 f"\njdp | stopped by a signal after step {self.done}; checkpoint saved. Run the same command to resume."

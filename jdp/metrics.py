@@ -9,6 +9,7 @@ import math
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -67,7 +68,8 @@ class MetricsLog:
     Biases. Only process 0 writes.
 
     resume_step: the step a resumed run restarts from; TensorBoard then drops the lost steps after it (the
-    same steps `supersede` moves out of metrics.jsonl), so no tracker shows a step twice.
+    same steps `supersede` moves out of metrics.jsonl), so no tracker shows a step twice. missing_steps: the steps
+    up to it whose records metrics.jsonl lost (`missing_steps`), for the summary.
     """
 
     def __init__(
@@ -78,8 +80,10 @@ class MetricsLog:
         wandb_project: str = "",
         config: dict | None = None,
         resume_step: int | None = None,
+        missing_steps: Sequence[int] = (),
     ):
         self.path, self.enabled = Path(path), enabled
+        self.missing_steps = list(missing_steps)  # logged steps before resume_step whose records are gone
         self._tb = self._wandb = None
         if not enabled:
             return
@@ -209,6 +213,36 @@ def lost_steps(metrics_path: str | Path, start: int) -> int:
         return 0
     steps = [r["step"] for r in read_metrics(metrics_path) if "loss" in r]
     return max(0, max(steps, default=start) - start)
+
+
+def missing_steps(metrics_path: str | Path, start: int, log_every: int, eval_every: int) -> list[int]:
+    """The steps up to `start` (the checkpoint a run resumes from) that were logged (every `log_every` steps,
+    evaluated every `eval_every`; 0: never) but whose records metrics.jsonl no longer has: a deleted or cut log."""
+    path = Path(metrics_path)
+    records = read_metrics(path) if path.exists() else []
+    trained = {r["step"] for r in records if "loss" in r}
+    evaluated = {r["step"] for r in records if "eval_loss" in r}
+    due = {s for s in range(log_every, start + 1, log_every) if s not in trained} if log_every > 0 else set()
+    if eval_every > 0:
+        due |= {s for s in range(eval_every, start + 1, eval_every) if s not in evaluated}
+    return sorted(due)
+
+
+def step_ranges(missing: list[int], log_every: int, eval_every: int) -> str:
+    """Steps as runs of consecutive logged steps: [3, 6, 9, 15] with log_every=3 -> "3-9, 15"."""
+    logged = [
+        s for s in range(1, max(missing, default=0) + 1) if s % log_every == 0 or (eval_every and s % eval_every == 0)
+    ]
+    runs: list[list[int]] = []
+    gone = set(missing)
+    for s in logged:
+        if s not in gone:
+            runs.append([])
+        elif runs and runs[-1]:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs if r)
 
 
 class StepMeter:

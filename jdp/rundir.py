@@ -114,26 +114,35 @@ class RunDir:
                 )
 
     def archive(self) -> Path | None:
-        """Move a previous run's files into RUN_DIR/archived-TIME (train.resume=false): nothing is deleted."""
-        old = [
-            self.checkpoints,
-            self.metrics,
-            self.superseded_metrics,
-            self.damaged_metrics,
-            self.summary,
-            self.path / "data_state",
-            self.tensorboard,
-            self.wandb_run_id,
-            self.wandb,
-        ]
-        old = [p for p in old if p.exists()]
+        """Move a previous run's files into RUN_DIR/archived-TIME (train.resume=false): nothing is deleted.
+        Everything moves (config.yaml, metrics, checkpoints, summary, plots, ...) except the live job's lock and
+        earlier archives, so the archive holds the old run exactly as it was."""
+        old = sorted(p for p in self.path.iterdir() if not p.name.startswith((RunLock.NAME, "archived-")))
         if not old:
             return None
-        dest = self.path / f"archived-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
-        dest.mkdir(parents=True)
+        stamp = f"archived-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+        dest, n = self.path / stamp, 1
+        while dest.exists():  # two archives within a second
+            n += 1
+            dest = self.path / f"{stamp}-{n}"
+        dest.mkdir()
         for p in old:
             shutil.move(str(p), str(dest / p.name))
         return dest
+
+    def missing_dirs(self) -> list[Path]:
+        """RUN_DIR and those of its parents that do not exist yet, deepest first: what taking the lock creates."""
+        return [p for p in (self.path.absolute(), *self.path.absolute().parents) if not p.exists()]
+
+    @staticmethod
+    def remove_if_empty(created: list[Path]) -> None:
+        """Remove the directories a job created (missing_dirs) that are still empty, deepest first: a run that
+        never started leaves nothing behind. A directory that holds anything, or existed before, stays."""
+        for p in created:
+            try:
+                p.rmdir()  # only ever removes an empty directory
+            except OSError:
+                return
 
 
 # What a jdp run leaves in its directory (RunDir's paths, the lock, archives of earlier runs, `jdp plot`'s PNG).

@@ -106,6 +106,7 @@ class Tokens:
 def tokenize(ds, tokenizer, cfg: DataConfig, seed: int, val_ds=None) -> Tokens:
     """Tokenize with `datasets.map`, take validation documents (whole ones, held out of `ds`, or from `val_ds`, the
     validation split, when there is one), and cache the streams."""
+    # A local source's fingerprints hold its files' identity (corpus.file_identity): a rewritten file misses.
     val_print = val_ds._fingerprint if val_ds is not None else None
     key = [FORMAT_VERSION, ds._fingerprint, val_print, tokenizer.name, cfg.text_column, cfg.val_tokens, seed]
     # text_unit too: the datasets fingerprint of .txt files follows it today, but the cache must not rely on that.

@@ -16,14 +16,24 @@ from jax.experimental import multihost_utils
 from jdp import hf, parallel
 from jdp.build import build
 from jdp.checkpoint import Checkpoints, check_resumable, config_differences
-from jdp.config import Config, ConfigError, save_config, validate
+from jdp.config import Config, ConfigError, Derived, save_config, validate
 from jdp.coordination import PeerMonitor, announce_departure, first_departure
 from jdp.corpus import cache_root
 from jdp.data import load_data
 from jdp.faults import Faults
 from jdp.loop import Loop, Phases, Result, Setup
 from jdp.memory import check_memory
-from jdp.metrics import MetricsLog, fingerprint, flops_per_token, lost_steps, params_sha256, peak_flops, supersede
+from jdp.metrics import (
+    MetricsLog,
+    fingerprint,
+    flops_per_token,
+    lost_steps,
+    missing_steps,
+    params_sha256,
+    peak_flops,
+    step_ranges,
+    supersede,
+)
 from jdp.model import lm_loss
 from jdp.rundir import RunDir, RunDirEscape, RunDirInUse, RunLock
 from jdp.world import World, WorldError, initialize, resolve_world, use_compilation_cache
@@ -46,15 +56,17 @@ def train(cfg: Config, world: World | None = None, explicit: frozenset[str] = fr
     phases = Phases()
     run_dir = RunDir(cfg.train.run_dir)
     lock, peers = RunLock(run_dir), PeerMonitor()
+    created = run_dir.missing_dirs() if jax.process_index() == 0 else []  # removed again if the run never starts
     try:
         try:
             run_dir.check_contained()
         except RunDirEscape as e:
             raise ConfigError(str(e)) from None
         cfg, adopted = checked_import(cfg, explicit) if cfg.train.init_from else (cfg, [])
+        mesh, derived = checked_config(cfg)  # before the run directory is made: a bad config leaves nothing behind
         if (complete := hold(lock, run_dir, cfg)) is not None:
             return already_complete(run_dir, complete)
-        s = setup(cfg, world, phases, adopted)
+        s = setup(cfg, world, phases, mesh, derived, adopted)
         result = Loop(s).run()
         with phases("writing the summary"):
             return finish(s, world, result)
@@ -72,6 +84,16 @@ def train(cfg: Config, world: World | None = None, explicit: frozenset[str] = fr
     finally:
         peers.close()
         lock.release()
+        RunDir.remove_if_empty(created)  # e.g. the data or tokenizer was bad: no empty run directory stays
+
+
+def checked_config(cfg: Config) -> tuple[jax.sharding.Mesh, Derived]:
+    """The mesh and the derived numbers of a config that passed every check of the config alone (values, device
+    count, memory), made before anything is written."""
+    mesh = parallel.make_mesh()
+    derived = validate(cfg, mesh.devices.size, jax.process_count())
+    check_memory(cfg, derived, mesh)  # before anything is allocated: a run too large is refused here
+    return mesh, derived
 
 
 def hold(lock: RunLock, run_dir: RunDir, cfg: Config) -> int | None:
@@ -141,13 +163,12 @@ def already_complete(run_dir: RunDir, step: int) -> dict:
     return {"already_complete": step, "loss": summary.get("loss"), "eval_loss": summary.get("eval_loss")}
 
 
-def setup(cfg: Config, world: World, phases: Phases, adopted: list[str] = ()) -> Setup:
-    """Everything before the first step: mesh, data, state and steps, the run directory, a checkpoint to resume.
-    `adopted`: what checked_import took from train.init_from's config.json, to print."""
+def setup(
+    cfg: Config, world: World, phases: Phases, mesh: jax.sharding.Mesh, derived: Derived, adopted: list[str] = ()
+) -> Setup:
+    """Everything before the first step: data, state and steps, the run directory, a checkpoint to resume.
+    `mesh`, `derived`: checked_config's; `adopted`: what checked_import took from train.init_from's config.json."""
     t = cfg.train
-    mesh = parallel.make_mesh()
-    derived = validate(cfg, mesh.devices.size, jax.process_count())
-    check_memory(cfg, derived, mesh)  # before anything is allocated: a run too large is refused here
     is_main = jax.process_index() == 0
     run_dir = RunDir(t.run_dir)
     cache = use_compilation_cache(cache_root(cfg.data) / "xla") if t.compile_cache else None
@@ -195,6 +216,7 @@ def setup(cfg: Config, world: World, phases: Phases, adopted: list[str] = ()) ->
             if cfg.data.streaming:
                 data.train.load_state_dict(json.loads(run_dir.data_state(start, jax.process_index()).read_text()))
         lost = lost_steps(run_dir.metrics, start) if resumed_from is not None else 0
+        missing = missing_records(run_dir, cfg, start) if is_main and resumed_from is not None else []
         if is_main and (moved := supersede(run_dir.metrics, start)):
             print(
                 f"jdp | {moved} metrics records after step {start} (work lost since that checkpoint) moved to "
@@ -215,11 +237,34 @@ def setup(cfg: Config, world: World, phases: Phases, adopted: list[str] = ()) ->
         wandb_project=t.wandb_project,
         config=cfg.to_dict(),
         resume_step=resumed_from,
+        missing_steps=missing,
     )
     return Setup(
         cfg, derived, mesh, data, graphdef, state, train_step, eval_step, parallel.make_replica_digest(mesh), run_dir,
         ckpts, start, resumed_from, lost, log, peak, phases, Faults(), comm,
     )  # fmt: skip
+
+
+def missing_records(run_dir: RunDir, cfg: Config, start: int) -> list[int]:
+    """The logged steps up to `start` whose records metrics.jsonl lost (deleted, cut), with a warning naming
+    them. The cadence is the one the earlier run logged with (its config.yaml, not yet overwritten), else `cfg`'s."""
+    try:
+        saved = yaml.safe_load(run_dir.config.read_text())
+        t, evals = saved["train"], int(saved["data"]["val_tokens"]) > 0
+        log_every, eval_every = int(t["log_every"]), int(t["eval_every"]) if evals else 0
+    except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError):
+        log_every, eval_every = cfg.train.log_every, cfg.train.eval_every if cfg.data.val_tokens > 0 else 0
+    if missing := missing_steps(run_dir.metrics, start, log_every, eval_every):
+        steps = step_ranges(missing, log_every, eval_every)
+        print(
+            f"jdp: warning: {run_dir.metrics.name} has no records for steps {steps} ({len(missing)} logged steps up "
+            f"to the checkpoint at step {start}; deleted or cut off?). The run goes on; their history is gone from "
+            f"metrics.jsonl and `jdp plot` (TensorBoard may still hold them), and summary.json counts them as "
+            f"missing_metrics_steps",
+            file=sys.stderr,
+            flush=True,
+        )
+    return missing
 
 
 def comm_change(saved: dict | None, now: dict | None) -> str:
@@ -303,6 +348,7 @@ def finish(s: Setup, world: World, r: Result) -> dict:
         "loss": r.last.get("loss"),
         "eval_loss": r.last.get("eval_loss"),
         "skipped_total": r.skipped_total,
+        "missing_metrics_steps": len(s.log.missing_steps),  # logged steps whose records metrics.jsonl lost
         "wall_s": time.time() - s.phases.started,
         "world": world.describe(),
         "devices": s.derived.n_devices,

@@ -302,6 +302,14 @@ class _Unbreakable:
         return getattr(self._stream, name)
 
 
+def flush_every_line() -> None:
+    """Line-buffer sys.stdout and sys.stderr: output to a file is otherwise held in a block buffer, and a process
+    killed by SIGKILL (an OOM kill) would leave no line of what it was doing."""
+    for stream in (sys.stdout, sys.stderr):
+        if (reconfigure := getattr(stream, "reconfigure", None)) is not None:
+            reconfigure(line_buffering=True)
+
+
 def tolerate_broken_pipes() -> None:
     """Make sys.stdout and sys.stderr writes that find their pipe closed harmless (the output is dropped)."""
     for name in ("stdout", "stderr"):

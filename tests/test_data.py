@@ -934,3 +934,34 @@ def test_jdp_train_on_a_directory_of_stories_trains_on_whole_files_and_validates
     banner = next(line for line in out.stdout.splitlines() if line.startswith("jdp | data "))
     assert banner.startswith("jdp | data 3 documents (one per .txt file, data.text_unit=file; 0 empty, skipped)")
     assert "tokens from split 'validation'" in banner, banner
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".txt"])
+def test_a_file_rewritten_under_touch_r_is_read_again(tmp_path, suffix):
+    # Copy tools and sync jobs keep a file's size and mtime (`touch -r`); its inode's ctime still moves.
+    f = tmp_path / f"c{suffix}"
+    old, new = ["first run's text", "second doc"], ["other run's text", "second doc"]
+    write = (lambda texts: _write_jsonl(f, texts)) if suffix == ".jsonl" else (lambda t: f.write_text("\n".join(t)))
+    write(old)
+    cfg = _cfg(tmp_path, f, val_tokens=0, seq_len=4, text_unit="line")
+    assert _split_docs(load_data(cfg, 320, 2, 0).tokens.train) == old
+    before = f.stat()
+    write(new)
+    os.utime(f, ns=(before.st_atime_ns, before.st_mtime_ns))  # what `touch -r` does
+    assert (f.stat().st_size, f.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    assert load_documents(cfg)["text"] == new  # not datasets' parse of the old file
+    assert _split_docs(load_data(cfg, 320, 2, 0).tokens.train) == new  # nor jdp's tokens of it
+
+
+def test_a_saved_dataset_rewritten_in_place_is_tokenized_again(tmp_path):
+    src = _saved(tmp_path, ["first run's text", "second doc"])
+    cfg = _cfg(tmp_path, src, val_tokens=0, seq_len=4)
+    load_data(cfg, 320, 2, 0)
+    state = (src / "state.json").read_text()
+    arrows = {p: p.stat() for p in src.glob("data-*.arrow")}
+    tmp = _saved(tmp_path, ["other run's text", "second doc"], "other")
+    for p, st in arrows.items():  # the same fingerprint in state.json, the same sizes and mtimes
+        p.write_bytes((tmp / p.name).read_bytes())
+        os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    (src / "state.json").write_text(state)
+    assert _split_docs(load_data(cfg, 320, 2, 0).tokens.train) == ["other run's text", "second doc"]

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -399,3 +400,53 @@ def test_streaming_run_killed_and_resumed_reads_the_documents_an_uninterrupted_r
     assert f"resuming from the checkpoint at step {start}" in resumed.stdout
     assert losses(killed) == losses(ref)  # the redone steps saw exactly the reference's documents
     assert summary(killed)["params_sha256"] == summary(ref)["params_sha256"]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MB tmpfs for a run directory to fill (mounting one needs root), unmounted afterwards."""
+    where = tmp_path / "disk"
+    where.mkdir()
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("mounting a tmpfs needs root")
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(where)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+def test_a_full_disk_during_a_background_save_stops_the_run_with_one_error_and_resumes_once_freed(small_disk, env):
+    """Checkpoints of this model take ~0.9 MB: with 1.6 MB of the 3 MB taken, step 2's fits and step 4's does not."""
+    filler, d = small_disk / "filler", small_disk / "run"
+    filler.write_bytes(b"\0" * 1_600_000)
+    extra = ["model.n_layers=1", "train.batch_size=8", "train.steps=12", "train.ckpt_every=2", "train.ckpt_keep=2"]
+    offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    out = run(d, env, (1, 4), extra, hooks=offline, check=False)
+    output = out.stdout + out.stderr
+    errors = [line for line in output.splitlines() if line.startswith("jdp: error:")]
+    assert out.returncode == 1 and len(errors) == 1, output[-4000:]
+    assert "the checkpoint at step 4 could not be written to " + str(d / "checkpoints" / "4") in errors[0]
+    assert "No space left on device" in errors[0] and " bytes free there" in errors[0], errors[0]
+    others = [line for line in output.splitlines() if line.strip() and not line.startswith("jdp |")]
+    others = [line for line in others if "examples/s]" not in line]  # progress bars of the data's first preparation
+    assert others == errors, output[-4000:]  # no tracebacks, no orbax, absl, asyncio or tensorstore noise
+    assert not list(d.rglob("*orbax-checkpoint-tmp*")) and ckpt_steps(d) == [2]  # the partial one removed
+    logged = sorted({r["step"] for r in read_metrics(d / "metrics.jsonl") if "loss" in r})
+    assert logged == list(range(1, logged[-1] + 1)) and logged[-1] < 12 and not (d / "summary.json").exists()
+    filler.unlink()  # space freed: the same command resumes from the last good checkpoint and finishes
+    resumed = run(d, env, (1, 4), extra, hooks=offline)
+    assert "resuming from the checkpoint at step 2" in resumed.stdout
+    assert summary(d)["steps"] == 12 and ckpt_steps(d)[-1] == 12
+
+
+def test_a_failed_background_save_stops_the_run_at_the_next_step_boundary(small_disk, env):
+    """Not at the next save, 200 steps later: the loop looks after every step whether the save in flight failed."""
+    (small_disk / "filler").write_bytes(b"\0" * 2_500_000)  # no room for even one checkpoint
+    extra = ["model.n_layers=1", "train.batch_size=8", "train.steps=399", "train.ckpt_every=200"]
+    out = run(small_disk / "run", env, (1, 4), extra, hooks={"HF_HUB_OFFLINE": "1"}, check=False)
+    assert out.returncode == 1 and "while writing the checkpoint at step 200: SaveFailed" in out.stderr, out.stderr
+    assert "no checkpoint was saved before it" in out.stderr
+    logged = [r["step"] for r in read_metrics(small_disk / "run" / "metrics.jsonl") if "loss" in r]
+    assert logged[-1] < 399  # stopped before the last step (and its evaluation and save)

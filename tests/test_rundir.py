@@ -1,0 +1,87 @@
+"""The run directory across runs: train.resume=false archives the whole old run, a resume notices metrics.jsonl's
+lost records, and a run that never starts leaves no directory behind. Tiny real runs."""
+
+import json
+import os
+import subprocess
+import sys
+
+from jdp.cli import main
+from jdp.config import load_config
+from jdp.train import train
+
+TINY = [
+    "model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.max_seq_len=32", "data.seq_len=32",
+    "train.batch_size=8", "train.progress=false", "data.val_tokens=1024",
+]  # fmt: skip
+
+
+def _files(run_dir) -> dict:
+    """Every file under a run directory and its bytes."""
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def test_resume_false_archives_every_file_of_the_old_run_config_included(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*TINY, "train.steps=2", "train.ckpt_every=2", f"train.run_dir={run_dir}"]
+    train(load_config("tiny", [*args, "optim.lr=0.002"]))
+    (run_dir / "plot.png").write_bytes(b"\x89PNG jdp plot's output")
+    earlier = run_dir / "archived-20250101-000000"  # an archive of a run before that one: stays where it is
+    earlier.mkdir()
+    (earlier / "config.yaml").write_text("old\n")
+    old = {name: data for name, data in _files(run_dir).items() if not name.startswith("archived-")}
+    assert {"config.yaml", "summary.json", "metrics.jsonl", "plot.png"} <= set(old)
+    train(load_config("tiny", [*args, "optim.lr=0.001", "train.resume=false"]))
+    archives = sorted(p for p in run_dir.iterdir() if p.name.startswith("archived-") and p != earlier)
+    assert len(archives) == 1, archives
+    assert _files(archives[0]) == old  # file by file, byte for byte: config.yaml's lr 0.002 included
+    assert _files(earlier) == {"config.yaml": b"old\n"}
+    assert "lr: 0.002" in (archives[0] / "config.yaml").read_text()
+    assert "lr: 0.001" in (run_dir / "config.yaml").read_text()  # the new run's
+    assert not list(archives[0].glob(".jdp-lock*")) and not (run_dir / "plot.png").exists()
+
+
+def test_a_deleted_metrics_jsonl_is_named_on_resume_and_counted_in_the_summary(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    args = [*TINY, "train.log_every=1", "train.eval_every=4", "train.ckpt_every=4", f"train.run_dir={run_dir}"]
+    train(load_config("tiny", [*args, "train.steps=4"]))
+    (run_dir / "metrics.jsonl").unlink()
+    capsys.readouterr()
+    train(load_config("tiny", [*args, "train.steps=5"]))
+    err = capsys.readouterr().err
+    assert "jdp: warning: metrics.jsonl has no records for steps 1-4 (4 logged steps up to the checkpoint" in err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"] == 4 and summary["missing_metrics_steps"] == 4
+
+
+def _jdp_train(run_dir, capsys, *extra) -> tuple[int, str]:
+    code = main(["train", "tiny", *TINY, "train.steps=2", f"train.run_dir={run_dir}", *extra])
+    return code, capsys.readouterr().err
+
+
+def test_a_run_that_never_starts_leaves_no_run_directory(tmp_path, capsys):
+    bad_tokenizer = tmp_path / "tokenizer.json"
+    bad_tokenizer.write_text("not a tokenizer\n")
+    cases = {
+        "optim.lr=-1": ["optim.lr=-1"],
+        "missing data": [f"data.source={tmp_path / 'no-such-data'}/*.txt"],
+        "bad tokenizer": [f"data.tokenizer={bad_tokenizer}"],
+    }
+    for name, extra in cases.items():
+        run_dir = tmp_path / "new" / name.replace(" ", "-") / "run"
+        code, err = _jdp_train(run_dir, capsys, *extra)
+        assert code == 2 and "jdp: error:" in err and "Traceback" not in err, (name, err)
+        assert not run_dir.exists() and not (tmp_path / "new").exists(), name
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, err = _jdp_train(empty, capsys, f"data.tokenizer={bad_tokenizer}")
+    assert code == 2 and empty.is_dir() and not list(empty.iterdir()), err  # existed before: stays, empty
+
+
+def test_jdp_train_with_a_bad_value_exits_2_and_creates_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["train", "tiny", *TINY, "train.steps=2", "optim.lr=-1", f"train.run_dir={run_dir}"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-m", "jdp.cli", *args], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 2 and "jdp: error:" in out.stderr and "optim.lr" in out.stderr, out.stderr[-2000:]
+    assert not run_dir.exists()
