@@ -176,6 +176,7 @@ class RunLock:
     NAME = ".jdp-lock"
     BEAT_S = 10.0
     STALE_S = 60.0  # hosts' clocks must agree to well within this for the cross-host check
+    WRITE_S = 5.0  # a lock that does not parse and is older than this was cut off while written: its job is dead
 
     def __init__(self, run_dir: RunDir):
         self.path = run_dir.path / self.NAME
@@ -192,9 +193,12 @@ class RunLock:
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                other = _read(self.path)
-                if other is None or _alive(other):
-                    if other is None:  # being written right now
+                raw = _raw(self.path)
+                other = _parse(raw) if raw is not None else None
+                if other is None and raw is not None and _age(self.path) > self.WRITE_S:
+                    other = _damaged(self.path)  # cut off by a crash or a full disk while being created: dead
+                if other is None or (not other.get("damaged") and _alive(other)):
+                    if other is None:  # being written right now (or just removed)
                         time.sleep(0.2)
                         continue
                     raise RunDirInUse(
@@ -206,7 +210,7 @@ class RunLock:
                     os.rename(self.path, aside)  # of two jobs taking over, one rename wins
                 except FileNotFoundError:
                     continue
-                if _read(aside) != other:  # a fresh lock appeared in between: put it back, it is live
+                if _raw(aside) != raw:  # a fresh lock appeared in between: put it back, it is live
                     with contextlib.suppress(OSError):
                         os.link(aside, self.path)
                     os.unlink(aside)
@@ -219,7 +223,10 @@ class RunLock:
             self.mine = me
             threading.Thread(target=self._beat, daemon=True, name="jdp-run-lock").start()
             return taken_over
-        raise RunDirInUse(f"could not take {self.path}: other jobs keep changing it")
+        raise RunDirInUse(
+            f"could not take {self.path}: other jobs keep changing it, or one is creating it right now (it does not "
+            f"parse yet and is younger than {self.WRITE_S:g} s); try again in a few seconds"
+        )
 
     def _beat(self) -> None:
         while not self._stop.wait(self.BEAT_S):
@@ -240,9 +247,39 @@ class RunLock:
 
 
 def _read(path: Path) -> dict | None:
+    raw = _raw(path)
+    return None if raw is None else _parse(raw)
+
+
+def _raw(path: Path) -> bytes | None:
     try:
-        info = json.loads(path.read_text())
-    except (OSError, ValueError):
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def _age(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _damaged(path: Path) -> dict:
+    """What a lock file that does not parse says of its job, for the warning when it is taken over."""
+    written = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(time.time() - _age(path)))
+    return {
+        "damaged": True,
+        "pid": "unknown",
+        "host": "unknown",
+        "started": f"unknown (damaged lock, written {written})",
+    }
+
+
+def _parse(raw: bytes) -> dict | None:
+    try:
+        info = json.loads(raw)
+    except ValueError:
         return None
     fields = {"host": str, "pid": int, "started": str, "beat": (int, float)}
     ok = isinstance(info, dict) and all(isinstance(info.get(k), t) for k, t in fields.items())

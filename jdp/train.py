@@ -104,9 +104,11 @@ def hold(lock: RunLock, run_dir: RunDir, cfg: Config) -> int | None:
         try:
             problem = run_dir.unusable() or ""
             if not problem and (dead := lock.acquire()):
+                whose = f"process {dead['pid']} on {dead['host']}, started {dead['started']}"
+                if dead.get("damaged"):  # cut off by a crash or a full disk while its job created it
+                    whose = f"its lock was cut off while written ({dead['started']})"
                 print(
-                    f"jdp: warning: took over {lock.path} from a job that is gone (process {dead['pid']} on "
-                    f"{dead['host']}, started {dead['started']})",
+                    f"jdp: warning: took over {lock.path} from a job that is gone ({whose})",
                     file=sys.stderr,
                     flush=True,
                 )

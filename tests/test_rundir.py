@@ -85,3 +85,30 @@ def test_jdp_train_with_a_bad_value_exits_2_and_creates_nothing(tmp_path):
     out = subprocess.run([sys.executable, "-m", "jdp.cli", *args], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 2 and "jdp: error:" in out.stderr and "optim.lr" in out.stderr, out.stderr[-2000:]
     assert not run_dir.exists()
+
+
+def test_a_lock_cut_off_while_written_is_taken_over_once_old_and_waited_for_while_fresh(tmp_path, capsys):
+    """A crash or a full disk between creating RUN_DIR/.jdp-lock and writing it leaves a lock that does not parse:
+    once it is older than RunLock.WRITE_S its job is gone and the run takes it over, saying so; a fresh one may
+    be a job creating it right now, so it is refused with a retry hint, never taken."""
+    import time
+
+    from jdp.rundir import RunDir, RunDirInUse, RunLock
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lock = run_dir / ".jdp-lock"
+    lock.write_text('{"host": "node3", "pi')
+    fresh = RunLock(RunDir(run_dir))
+    try:
+        fresh.acquire()
+        raise AssertionError("a lock that may be being written was taken")
+    except RunDirInUse as e:
+        assert "try again in a few seconds" in str(e)
+    assert lock.read_text() == '{"host": "node3", "pi'
+    old = time.time() - 2 * RunLock.WRITE_S
+    os.utime(lock, (old, old))
+    code, err = _jdp_train(run_dir, capsys)
+    assert code == 0, err
+    assert f"jdp: warning: took over {lock} from a job that is gone (its lock was cut off while written" in err
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2 and not lock.exists()
