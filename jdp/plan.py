@@ -316,7 +316,11 @@ def calibrated_mfu(run_dir: str | Path, gpu: str = "H100") -> tuple[float, str]:
     if not values:
         raise ConfigError(f"--calibrate {run_dir}: no record in metrics.jsonl has an mfu (the run was too short?)")
     mfu = statistics.median(values)
-    summary = json.loads(run.summary.read_text()) if run.summary.is_file() else {}
+    try:
+        summary = json.loads(run.summary.read_text()) if run.summary.is_file() else {}
+    except (OSError, ValueError):  # cut off or damaged: the device is then unchecked, and the note says so
+        summary = {}
+    summary = summary if isinstance(summary, dict) else {}
     devices = summary.get("devices")
     where = f" on {devices} device(s)" if devices else ""
     note = f"calibrated: median MFU of {len(values)} records of {path}{where}"

@@ -216,7 +216,7 @@ def setup(
             if record.get("comm") != comm and is_main and (record.get("comm") or comm):
                 print(f"jdp | {comm_change(record.get('comm'), comm)}")
             if cfg.data.streaming:
-                data.train.load_state_dict(json.loads(run_dir.data_state(start, jax.process_index()).read_text()))
+                data.train.load_state_dict(stream_position(run_dir, start))
         lost = lost_steps(run_dir.metrics, start) if resumed_from is not None else 0
         missing = missing_records(run_dir, cfg, start) if is_main and resumed_from is not None else []
         if is_main and (moved := supersede(run_dir.metrics, start)):
@@ -267,6 +267,19 @@ def missing_records(run_dir: RunDir, cfg: Config, start: int) -> list[int]:
             flush=True,
         )
     return missing
+
+
+def stream_position(run_dir: RunDir, step: int) -> dict:
+    """This process's stream position saved beside the checkpoint at `step`; an unreadable one is named."""
+    path = run_dir.data_state(step, jax.process_index())
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"{path}: the stream position saved with the checkpoint at step {step} cannot be read ({e}); a "
+            f"streaming run resumes only with it. Move {run_dir.checkpoints / str(step)} aside to resume from the "
+            f"checkpoint before it, or set train.resume=false to start over"
+        ) from None
 
 
 def comm_change(saved: dict | None, now: dict | None) -> str:

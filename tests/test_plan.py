@@ -263,6 +263,8 @@ def test_calibration_refuses_a_cpu_run_and_notes_another_gpu(tmp_path):
     assert "not L4" in plan.make_plan(cfg, 2, gpu="L4", calibrate=l40s).mfu_source  # an L40S is no L4
     unknown = _run_dir(tmp_path, {})  # a run that never finished, or an older jdp: no device named
     assert "does not name the device" in plan.make_plan(cfg, 2, calibrate=unknown).mfu_source
+    (unknown / "summary.json").write_text('{"steps": 20, "platf')  # cut off by a crash: no traceback, unchecked
+    assert "does not name the device" in plan.make_plan(cfg, 2, calibrate=unknown).mfu_source
 
 
 def test_jdp_plan_refuses_to_calibrate_an_h100_with_a_cpu_run(tmp_path):

@@ -1,5 +1,6 @@
 """End to end: `jdp train` on the tiny config, errors before compilation, and 1 vs 4 devices."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -9,7 +10,7 @@ import pytest
 
 import jdp.parallel
 from jdp.cli import main
-from jdp.config import load_config
+from jdp.config import ConfigError, load_config
 from jdp.metrics import read_metrics
 from jdp.train import train
 
@@ -146,3 +147,9 @@ def test_streaming_training_end_to_end(tmp_path, cache):
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == [2, 4, 4, 4]  # logs, the final evaluation, the goodput summary
     assert records[-2]["eval_tokens"] > 0 and result["loss"] < 6 and "goodput" in records[-1]
+    # The stream position saved beside the checkpoint, cut off by a crash: named with its path, not a traceback.
+    position = tmp_path / "run" / "data_state" / "4" / "process_0.json"
+    position.write_text(position.read_text()[:20])
+    more = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=6))
+    with pytest.raises(ConfigError, match=rf"{position}: the stream position saved with the checkpoint at step 4"):
+        train(more)
