@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,12 +117,23 @@ def tokenize(ds, tokenizer, cfg: DataConfig, seed: int, val_ds=None) -> Tokens:
     cache.parent.mkdir(parents=True, exist_ok=True)
     # One process per host tokenizes; the others wait for it and then read its cache.
     with FileLock(str(cache) + ".lock"):
+        if (cache / "meta.json").exists() and _read_cache(cache) is None:  # damaged after it was written
+            print(f"jdp: warning: the token cache {cache} is damaged; tokenizing again", file=sys.stderr, flush=True)
+            shutil.rmtree(cache)
         if not (cache / "meta.json").exists():
             _tokenize_into(cache, key, ds, val_ds, tokenizer, cfg, seed)
-    meta = json.loads((cache / "meta.json").read_text())
-    # Memory-mapped: processes on one host share the page cache instead of each holding a copy.
-    train, val = (np.load(cache / f"{name}.npy", mmap_mode="r") for name in ("train", "val"))
-    return Tokens(train, val, meta["n_docs"], meta["n_empty"])
+    return _read_cache(cache)
+
+
+def _read_cache(cache: Path) -> Tokens | None:
+    """The cached streams, memory-mapped (processes on one host share the page cache instead of each holding a
+    copy); None when the cache does not read back (a file cut off or altered)."""
+    try:
+        meta = json.loads((cache / "meta.json").read_text())
+        train, val = (np.load(cache / f"{name}.npy", mmap_mode="r") for name in ("train", "val"))
+        return Tokens(train, val, int(meta["n_docs"]), int(meta["n_empty"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 @dataclass
@@ -190,11 +203,20 @@ def _tokenize_into(cache: Path, key: str, ds, val_ds, tokenizer, cfg: DataConfig
         tokens = Tokens(docs.stream, val, n_docs, n_empty)
 
     tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    np.save(tmp / "train.npy", tokens.train)
-    np.save(tmp / "val.npy", tokens.val)
-    (tmp / "meta.json").write_text(json.dumps({"n_docs": tokens.n_docs, "n_empty": n_empty, "key": key}))
-    tmp.rename(cache)  # atomic: a reader never sees a partial cache
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        np.save(tmp / "train.npy", tokens.train)
+        np.save(tmp / "val.npy", tokens.val)
+        (tmp / "meta.json").write_text(json.dumps({"n_docs": tokens.n_docs, "n_empty": n_empty, "key": key}))
+        tmp.rename(cache)  # atomic: a reader never sees a partial cache
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        need, free = tokens.train.nbytes + tokens.val.nbytes, shutil.disk_usage(cache.parent).free
+        why = e.strerror or ("the disk is full" if free < need else str(e))  # numpy's short write has no errno
+        raise ConfigError(
+            f"the token cache {cache} could not be written: {why} ({need:,} bytes needed, {free:,} free there); "
+            f"free some space, or point data.cache_dir (or $JDP_CACHE) at a larger disk"
+        ) from None
 
 
 def n_windows(stream: np.ndarray, seq_len: int) -> int:

@@ -965,3 +965,41 @@ def test_a_saved_dataset_rewritten_in_place_is_tokenized_again(tmp_path):
         os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
     (src / "state.json").write_text(state)
     assert _split_docs(load_data(cfg, 320, 2, 0).tokens.train) == ["other run's text", "second doc"]
+
+
+def test_a_damaged_token_cache_is_tokenized_again_and_a_full_disk_is_named(tmp_path, capsys):
+    """The token cache is written atomically, but a disk or a hand can still cut a file of it afterwards: it is
+    rebuilt with a warning, never read half. A cache disk that fills while it is written is one error naming the
+    cache, the bytes needed and free, and leaves no partial files."""
+    import subprocess
+
+    texts = _corpus(200)
+    src = _write_jsonl(tmp_path / "c.jsonl", texts)
+    cfg = _cfg(tmp_path, src, val_tokens=0, seq_len=4)
+    first = load_data(cfg, 320, 2, 0)
+    good = np.array(first.tokens.train)  # a copy: the cache's files are memory-mapped, and cut below
+    del first
+    (cache,) = (tmp_path / "cache").glob("tokens-*[!k]")  # not the .lock
+    train_npy = cache / "train.npy"
+    train_npy.write_bytes(train_npy.read_bytes()[: train_npy.stat().st_size // 2])
+    again = load_data(cfg, 320, 2, 0)
+    assert f"jdp: warning: the token cache {cache} is damaged; tokenizing again" in capsys.readouterr().err
+    np.testing.assert_array_equal(np.asarray(again.tokens.train), good)
+
+    small = tmp_path / "small"
+    small.mkdir()
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"mounting a small tmpfs needs root: {e}")
+    try:
+        full = dataclasses.replace(cfg, cache_dir=str(small))
+        big = _write_jsonl(tmp_path / "big.jsonl", ["x" * 4000 + str(i) for i in range(40)])  # 160 KB of tokens
+        with pytest.raises(
+            ConfigError,
+            match=r"the token cache .* could not be written: (No space left on device|the disk is full) \(320,220 bytes needed, [\d,]+ free there\)",
+        ):
+            load_data(dataclasses.replace(full, source=str(big)), 320, 2, 0)
+        assert not [p.name for p in small.iterdir() if ".tmp" in p.name]  # no partial cache left
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
