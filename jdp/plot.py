@@ -96,6 +96,6 @@ def _label(run_dir: Path, all_dirs: list[Path]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = args.out or args.run_dirs[0] / "plot.png"
+    out = args.out or RunDir(args.run_dirs[0]).plot
     print(f"jdp plot: wrote {plot(args.run_dirs, out)}")
     return 0

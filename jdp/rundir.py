@@ -78,7 +78,8 @@ class RunDir:
         if not self.path.is_dir():
             return None
         entries = sorted(p.name for p in self.path.iterdir())
-        if not entries or any(_is_jdp_file(name) for name in entries):
+        ours = {p.name for p in self.files() + self.trees()}
+        if not entries or any(name in ours or name.startswith((RunLock.NAME, "archived-")) for name in entries):
             return None
         shown = ", ".join(entries[:5]) + (f", ... ({len(entries)} entries)" if len(entries) > 5 else "")
         return (
@@ -87,9 +88,26 @@ class RunDir:
             f"directory or one a jdp run wrote. Give another train.run_dir"
         )
 
+    @property
+    def data_states(self) -> Path:
+        return self.path / "data_state"  # a streaming run's stream positions: data_state/STEP/process_N.json
+
+    @property
+    def plot(self) -> Path:
+        return self.path / "plot.png"  # `jdp plot`'s default output
+
     def data_state(self, step: int, process: int) -> Path:
         """Where a streaming run keeps process `process`'s stream position after step `step`."""
-        return self.path / "data_state" / str(step) / f"process_{process}.json"
+        return self.data_states / str(step) / f"process_{process}.json"
+
+    def files(self) -> list[Path]:
+        """The files of this layout (W&B's directory among them: jdp only ever moves it whole)."""
+        files = [self.config, self.metrics, self.superseded_metrics, self.damaged_metrics, self.summary]
+        return [*files, self.wandb_run_id, self.path / RunLock.NAME, self.wandb, self.plot]
+
+    def trees(self) -> list[Path]:
+        """The directories of this layout whose contents jdp writes, reads and moves."""
+        return [self.checkpoints, self.damaged_checkpoints, self.data_states, self.tensorboard]
 
     def check_contained(self) -> None:
         """Refuse a run directory with a link that leads out of it (raises RunDirEscape): jdp writes metrics,
@@ -101,11 +119,9 @@ class RunDir:
         if not self.path.exists():
             return
         root = self.path.resolve()
-        files = [self.config, self.metrics, self.superseded_metrics, self.damaged_metrics, self.summary]
-        files += [self.wandb_run_id, self.path / RunLock.NAME, self.wandb]
-        trees = [self.checkpoints, self.damaged_checkpoints, self.path / "data_state", self.tensorboard]
+        trees = self.trees()
         below = [Path(d) / n for t in trees for d, ds, fs in os.walk(t) for n in ds + fs]  # links not followed
-        for p in files + trees + below:
+        for p in self.files() + trees + below:
             if p.is_symlink() and not p.resolve().is_relative_to(root):
                 raise RunDirEscape(
                     f"{p} is a link to {os.readlink(p)}, outside the run directory {self.path}; jdp reads and "
@@ -143,17 +159,6 @@ class RunDir:
                 p.rmdir()  # only ever removes an empty directory
             except OSError:
                 return
-
-
-# What a jdp run leaves in its directory (RunDir's paths, the lock, archives of earlier runs, `jdp plot`'s PNG).
-_JDP_FILES = {
-    "config.yaml", "checkpoints", "damaged-checkpoints", "metrics.jsonl", "metrics.superseded.jsonl",
-    "metrics.damaged.jsonl", "summary.json", "tensorboard", "wandb", "wandb-run-id", "data_state", "plot.png",
-}  # fmt: skip
-
-
-def _is_jdp_file(name: str) -> bool:
-    return name in _JDP_FILES or name.startswith((".jdp-lock", "archived-"))
 
 
 class RunDirEscape(ValueError):
@@ -272,7 +277,7 @@ def _damaged(path: Path) -> dict:
         "damaged": True,
         "pid": "unknown",
         "host": "unknown",
-        "started": f"unknown (damaged lock, written {written})",
+        "started": written,
     }
 
 

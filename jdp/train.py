@@ -106,7 +106,7 @@ def hold(lock: RunLock, run_dir: RunDir, cfg: Config) -> int | None:
             if not problem and (dead := lock.acquire()):
                 whose = f"process {dead['pid']} on {dead['host']}, started {dead['started']}"
                 if dead.get("damaged"):  # cut off by a crash or a full disk while its job created it
-                    whose = f"its lock was cut off while written ({dead['started']})"
+                    whose = f"its lock was cut off while written, at {dead['started']}"
                 print(
                     f"jdp: warning: took over {lock.path} from a job that is gone ({whose})",
                     file=sys.stderr,
