@@ -58,6 +58,9 @@ def _train(args: argparse.Namespace) -> int:
 
     try:
         train(cfg, world, explicit_keys(overrides))
+    except jobs.JoinError as e:  # never joined: there is no job to leave
+        print(f"jdp: error: {e}", file=sys.stderr, flush=True)
+        return 1
     except (RunError, ConfigError) as e:
         print(f"jdp: error: {e}", file=sys.stderr, flush=True)
         code = 1 if isinstance(e, RunError) else 2

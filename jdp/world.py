@@ -76,6 +76,25 @@ def _slurm_coordinator(env: Mapping[str, str]) -> str:
     return f"{host}:{int(env['SLURM_JOB_ID']) % 2**12 + (65535 - 2**12 + 1)}"
 
 
+COORDINATOR_PORT_ENV = "JDP_COORDINATOR_PORT"  # the coordination service's port under torchrun's variables
+
+
+def _torchrun_port(env: Mapping[str, str]) -> str | None:
+    """The coordination service's port in a job described by torchrun's variables.
+
+    torchrun itself (its elastic agent: TORCHELASTIC_RUN_ID is set) already listens on MASTER_PORT with its own
+    TCPStore, so JAX's coordination service takes the next port, MASTER_PORT + 1. Where the variables were set by
+    something else (a PyTorchJob pod, a script), MASTER_PORT is free and is used as is. $JDP_COORDINATOR_PORT
+    overrides both.
+    """
+    if env.get(COORDINATOR_PORT_ENV):
+        return str(_int(COORDINATOR_PORT_ENV, "port", env[COORDINATOR_PORT_ENV]))
+    port = env.get("MASTER_PORT")
+    if port and env.get("TORCHELASTIC_RUN_ID"):
+        return str(_int("torchrun", "MASTER_PORT", port) + 1)
+    return port
+
+
 def resolve_world(
     coordinator: str | None = None,
     num_processes: int | None = None,
@@ -106,7 +125,7 @@ def resolve_world(
             )
         )
     if any(env.get(k) for k in ("WORLD_SIZE", "RANK")):
-        addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+        addr, port = env.get("MASTER_ADDR"), _torchrun_port(env)
         n = env.get("WORLD_SIZE")
         coord = f"{addr}:{port}" if addr and port else ("localhost:0" if n == "1" else None)
         # torchrun starts one process per GPU: LOCAL_RANK picks this process's GPU.
@@ -184,6 +203,49 @@ def bind_address(
     return f"{where}:{port}", ("the coordinator is on the loopback" if ip.is_loopback else "the coordinator's address")
 
 
+class JoinError(RuntimeError):
+    """This process could not join its job: the coordination service's port is taken, or joining failed."""
+
+
+def _where_the_port_comes_from(world: World) -> str:
+    if world.source.startswith("torchrun"):
+        return (
+            "under torchrun jdp's coordination service takes MASTER_PORT + 1 (torchrun's own store holds "
+            f"MASTER_PORT): set {COORDINATOR_PORT_ENV}=PORT to a free port on the first node"
+        )
+    if world.source.startswith("SLURM"):
+        return (
+            "under SLURM the port follows from the job id (JAX's rule): submit again, or pass --coordinator HOST:PORT"
+        )
+    if world.source.startswith("JAX_"):
+        return "set JAX_COORDINATOR_ADDRESS to HOST:PORT with a free port (jdp launch: --coordinator)"
+    return "pass --coordinator HOST:PORT with a free port"
+
+
+def check_port_free(address: str, world: World) -> None:
+    """Refuse, with the way out, a coordination-service address whose port another program holds on this host.
+
+    gRPC cannot bind it either, and JAX then fails in ways that name nothing (a log line and a traceback, or a
+    crash: jaxlib 0.10 segfaults), so process 0 tries the bind itself first (SO_REUSEADDR, as gRPC: a port in
+    TIME_WAIT is fine).
+    """
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    except OSError:
+        return  # no such address family here: nothing to learn, let JAX try
+    with sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, int(port)))
+        except OSError as e:
+            raise JoinError(
+                f"process 0 of {world.num_processes} cannot start the job's coordination service on {address}: "
+                f"{e.strerror or e}. Another program holds port {port} on this host; {_where_the_port_comes_from(world)}"
+            ) from None
+
+
 def initialize(world: World, init_timeout_s: int = 300, heartbeat_timeout_s: int = 30, bind: str = "") -> None:
     """Join the job `world` describes (nothing to do for one process). Call before anything touches devices.
 
@@ -194,6 +256,8 @@ def initialize(world: World, init_timeout_s: int = 300, heartbeat_timeout_s: int
     if world.num_processes == 1:
         return
     address, why = bind_address(world.coordinator, bind)
+    if world.process_id == 0 and address is not None:
+        check_port_free(address, world)
     if world.process_id == 0:
         warn = address is None or address.startswith(("[::]", "0.0.0.0"))
         print(
@@ -231,15 +295,23 @@ def initialize(world: World, init_timeout_s: int = 300, heartbeat_timeout_s: int
         kwargs = dict(
             coordinator_address=world.coordinator, num_processes=world.num_processes, process_id=world.process_id
         )
-    jax.distributed.initialize(
-        **kwargs,
-        local_device_ids=list(world.local_device_ids) if world.local_device_ids else None,
-        coordinator_bind_address=address,
-        initialization_timeout=init_timeout_s + 30,  # our watchdog speaks first
-        heartbeat_timeout_seconds=heartbeat_timeout_s,
-        # A process that exits waits at most this long in JAX's shutdown barrier for peers that may be gone.
-        shutdown_timeout_seconds=heartbeat_timeout_s,
-    )
+    try:
+        jax.distributed.initialize(
+            **kwargs,
+            local_device_ids=list(world.local_device_ids) if world.local_device_ids else None,
+            coordinator_bind_address=address,
+            initialization_timeout=init_timeout_s + 30,  # our watchdog speaks first
+            heartbeat_timeout_seconds=heartbeat_timeout_s,
+            # A process that exits waits at most this long in JAX's shutdown barrier for peers that may be gone.
+            shutdown_timeout_seconds=heartbeat_timeout_s,
+        )
+    except Exception as e:  # JAX's errors here are XlaRuntimeError, RuntimeError or ValueError, by version
+        joined.set()
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise JoinError(
+            f"process {world.process_id} of {world.num_processes} could not join the job at "
+            f"{world.coordinator or 'the auto-detected coordinator'} ({world.source}): {first}"
+        ) from e
     joined.set()
 
 

@@ -31,6 +31,17 @@ def test_torchrun_variables_and_local_rank_picks_the_gpu():
     assert resolve_world(env={**env, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}).local_device_ids is None
 
 
+def test_under_torchrun_the_coordinator_takes_the_port_after_its_store():
+    env = {"MASTER_ADDR": "node7", "MASTER_PORT": "29500", "WORLD_SIZE": "2", "RANK": "0"}
+    # torchrun's agent (TORCHELASTIC_RUN_ID) holds MASTER_PORT with its own TCPStore.
+    assert resolve_world(env={**env, "TORCHELASTIC_RUN_ID": "none"}).coordinator == "node7:29501"
+    assert resolve_world(env={**env, "TORCHELASTIC_RUN_ID": "x", "JDP_COORDINATOR_PORT": "41000"}).coordinator == (
+        "node7:41000"
+    )
+    with pytest.raises(WorldError, match="JDP_COORDINATOR_PORT"):
+        resolve_world(env={**env, "JDP_COORDINATOR_PORT": "next"})
+
+
 @pytest.mark.parametrize(
     "nodelist, host",
     [("gpu001", "gpu001"), ("gpu001,gpu002", "gpu001"), ("gpu[003-010],cpu1", "gpu003"), ("n[007,009-011]", "n007")],
