@@ -305,9 +305,16 @@ def initialize(world: World, init_timeout_s: int = 300, heartbeat_timeout_s: int
             # A process that exits waits at most this long in JAX's shutdown barrier for peers that may be gone.
             shutdown_timeout_seconds=heartbeat_timeout_s,
         )
+        jax.devices()  # the backend joins here too: on CPUs gloo connects the processes (names, addresses)
     except Exception as e:  # JAX's errors here are XlaRuntimeError, RuntimeError or ValueError, by version
         joined.set()
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if "gloo" in first:
+            name = socket.gethostname()
+            first += (
+                f". gloo, the CPU collectives, finds the address it listens on from this host's own name ({name}): "
+                f"make `getent hosts {name}` answer with an address the other hosts reach"
+            )
         raise JoinError(
             f"process {world.process_id} of {world.num_processes} could not join the job at "
             f"{world.coordinator or 'the auto-detected coordinator'} ({world.source}): {first}"

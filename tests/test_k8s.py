@@ -1,0 +1,136 @@
+"""`scripts/k8s-job.yaml` as a pod of it would run: its environment, its command, the headless Service's names.
+
+No Kubernetes cluster runs here. Each "pod" is `jdp train` in a mount and UTS namespace of its own: its host name
+is the pod's (`jdp-0`, `jdp-1`), its /etc/hosts resolves the headless Service's names (`jdp-0.jdp`) as the
+cluster's DNS would (to this machine's loopback, the one network the pods share here), and its environment is
+exactly what the Indexed Job gives the container: the YAML's `env` (the completion-index annotation filled in),
+JOB_COMPLETION_INDEX and HOSTNAME. Needs root (namespaces); skipped with that reason otherwise.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jdp.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["model.n_layers=2", "model.d_model=64", "model.max_seq_len=64", "data.seq_len=64", "train.batch_size=16"]
+SMALL += ["data.val_tokens=4096", "train.log_every=1", "train.eval_every=0", "train.progress=false", "train.steps=4"]
+
+if os.geteuid() != 0 or not shutil.which("unshare"):
+    pytest.skip(
+        "the pods run in mount and UTS namespaces of their own: needs root and unshare", allow_module_level=True
+    )
+
+
+def pod_environment(job: dict, index: int) -> dict[str, str]:
+    """What the Indexed Job sets in pod `index`'s container: its `env` list, the fieldRefs resolved."""
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    annotations = {"batch.kubernetes.io/job-completion-index": str(index)}
+    env = {"JOB_COMPLETION_INDEX": str(index), "HOSTNAME": f"{job['metadata']['name']}-{index}"}
+    for var in container["env"]:
+        if "value" in var:
+            env[var["name"]] = var["value"]
+        else:
+            path = var["valueFrom"]["fieldRef"]["fieldPath"]
+            assert path.startswith("metadata.annotations['"), f"a fieldRef this test cannot fill in: {path}"
+            env[var["name"]] = annotations[path.split("'")[1]]
+    return env
+
+
+def test_the_indexed_job_trains_from_what_its_pods_are_given(tmp_path):
+    service, job = yaml.safe_load_all((ROOT / "scripts/k8s-job.yaml").read_text())
+    n, name, subdomain = (
+        job["spec"]["completions"],
+        job["metadata"]["name"],
+        job["spec"]["template"]["spec"]["subdomain"],
+    )
+    assert subdomain == service["metadata"]["name"]
+    # The names a pod resolves: its own (kubelet's /etc/hosts: pod IP, pod name) and, as the cluster DNS answers
+    # for the headless Service, jdp-I.jdp for each pod. The "pod IP" is this machine's loopback.
+    service_names = "".join(f"127.0.0.1 {name}-{i}.{subdomain}\n" for i in range(n))
+    for i in range(n):
+        (tmp_path / f"hosts-{i}").write_text(f"127.0.0.1 localhost\n127.0.0.1 {name}-{i}\n{service_names}")
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[:3] == ["jdp", "train", "gpt2-small"]
+    # The job's command, with the tiny model on this CPU and a run directory of the test's (every pod's "shared").
+    argv = [str(Path(sys.executable).parent / "jdp"), "train", "configs/tiny.yaml", *SMALL]
+    argv.append(f"train.run_dir={tmp_path / 'shared' / 'run'}")
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "MASTER_", "TORCHELASTIC"))}
+    base |= {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JDP_CACHE": str(tmp_path / "cache")}
+    pods = []
+    try:
+        for i in range(n):
+            env = base | pod_environment(job, i)
+            # A private mount of /etc/hosts and the pod's host name, then the container's command.
+            hosts = tmp_path / f"hosts-{i}"
+            setup = f'mount --bind "{hosts}" /etc/hosts && hostname "{env["HOSTNAME"]}" && exec "$@"'
+            pods.append(
+                subprocess.Popen(
+                    ["unshare", "--mount", "--uts", "sh", "-c", setup, "pod", *argv],
+                    env=env,
+                    cwd=ROOT,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        outs = [p.communicate(timeout=300) for p in pods]
+    finally:
+        for p in pods:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert all(p.returncode == 0 for p in pods), "\n".join(err[-3000:] for _, err in outs)
+    address = next(
+        e["value"] for e in job["spec"]["template"]["spec"]["containers"][0]["env"] if "ADDRESS" in e["name"]
+    )
+    assert f"process 0 of {n}, coordinator {address} (from JAX_* variables)" in outs[0][0]
+    assert "jdp | model" not in outs[1][0]  # one voice: pod 0
+    steps = [r["step"] for r in read_metrics(tmp_path / "shared" / "run" / "metrics.jsonl") if "loss" in r]
+    assert steps == [1, 2, 3, 4]
+
+
+def test_a_host_whose_own_name_does_not_resolve_is_one_error_line_naming_it(tmp_path):
+    """gloo (CPU collectives) looks up the host's own name; where that fails, every process says so and how to
+    fix it, in one `jdp: error:` line, before any run directory exists."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "MASTER_", "TORCHELASTIC"))}
+    env |= {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JDP_CACHE": str(tmp_path / "cache")}
+    from jdp.launch import free_port
+
+    port, procs = free_port(), []
+    argv = [str(Path(sys.executable).parent / "jdp"), "train", "configs/tiny.yaml", f"train.run_dir={tmp_path / 'run'}"]
+    setup = f'mount --bind "{hosts}" /etc/hosts && hostname nowhere-{{}} && exec "$@"'
+    try:
+        for i in range(2):
+            job = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)}
+            procs.append(
+                subprocess.Popen(
+                    ["unshare", "--mount", "--uts", "sh", "-c", setup.format(i), "host", *argv],
+                    env=env | job,
+                    cwd=ROOT,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for i, (p, (_, err)) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 1, err[-3000:]
+        errors = [line for line in err.splitlines() if line.startswith("jdp: error:")]
+        assert len(errors) == 1 and f"process {i} of 2 could not join" in errors[0], err[-3000:]
+        assert f"getent hosts nowhere-{i}" in errors[0] and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
