@@ -95,6 +95,25 @@ def _torchrun_port(env: Mapping[str, str]) -> str | None:
     return port
 
 
+def _slurm_gpus(env: Mapping[str, str]) -> tuple[int, ...] | None:
+    """This task's GPUs (ordinals among those it sees); None: every one it sees.
+
+    One task per node (scripts/slurm.sbatch's default) drives all of its node's GPUs, and a task that SLURM gave
+    GPUs of its own (--gpus-per-task) sees only those: None. Several tasks that share a node and all see its GPUs
+    split them evenly, in SLURM_LOCALID order (as `jdp launch` splits them; one each with --gpus-per-node=8
+    --ntasks-per-node=8), like torchrun's LOCAL_RANK. JAX's own SLURM detection gives every task the GPU numbered
+    SLURM_LOCALID instead: GPU 0 alone with one task per node, and a GPU that is not there under --gpus-per-task.
+    """
+    tasks = _int("SLURM", "SLURM_STEP_NUM_TASKS", env.get("SLURM_STEP_NUM_TASKS", env["SLURM_NTASKS"]))
+    per_node = tasks // max(_int("SLURM", "SLURM_STEP_NUM_NODES", env.get("SLURM_STEP_NUM_NODES", "1")), 1)
+    visible = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    if per_node <= 1 or len(visible) == 1:
+        return None
+    local = _int("SLURM", "SLURM_LOCALID", env["SLURM_LOCALID"])
+    each = len(visible) // per_node if visible and len(visible) % per_node == 0 else 1
+    return tuple(range(local * each, (local + 1) * each))
+
+
 def resolve_world(
     coordinator: str | None = None,
     num_processes: int | None = None,
@@ -150,8 +169,7 @@ def resolve_world(
         return first
     if all(k in env for k in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")):
         n = _int("SLURM", "SLURM_NTASKS", env["SLURM_NTASKS"])
-        world = _checked("SLURM variables", _slurm_coordinator(env), n, env["SLURM_PROCID"])
-        return dataclasses.replace(world, auto_detect=n > 1)
+        return _checked("SLURM variables", _slurm_coordinator(env), n, env["SLURM_PROCID"], _slurm_gpus(env))
     if "OMPI_COMM_WORLD_SIZE" in env:
         n, pid = env["OMPI_COMM_WORLD_SIZE"], env.get("OMPI_COMM_WORLD_RANK")
         world = _checked("Open MPI variables", "auto:0", n, pid)
@@ -293,7 +311,12 @@ def initialize(world: World, init_timeout_s: int = 300, heartbeat_timeout_s: int
     kwargs = {}
     if not world.auto_detect:
         kwargs = dict(
-            coordinator_address=world.coordinator, num_processes=world.num_processes, process_id=world.process_id
+            coordinator_address=world.coordinator,
+            num_processes=world.num_processes,
+            process_id=world.process_id,
+            # jdp has described the job: inside any SLURM allocation (a `jdp launch` or torchrun worker in an
+            # sbatch job too) JAX's detection would still replace local_device_ids=None by [SLURM_LOCALID].
+            cluster_detection_method="deactivate",
         )
     try:
         jax.distributed.initialize(

@@ -51,7 +51,26 @@ def test_slurm_variables(nodelist, host):
     w = resolve_world(env={**env, "SLURM_LOCALID": "1"})
     # The same port JAX's own SLURM detection computes from the job id.
     assert w.coordinator == f"{host}:{4242 % 4096 + 65535 - 4096 + 1}"
-    assert (w.num_processes, w.process_id, w.auto_detect) == (4, 3, True)
+    # jdp hands this description to JAX itself: JAX's own detection would pin every task to GPU SLURM_LOCALID.
+    assert (w.num_processes, w.process_id, w.auto_detect) == (4, 3, False)
+
+
+@pytest.mark.parametrize(
+    "tasks, nodes, visible, gpus",
+    [
+        (2, 2, "0,1,2,3,4,5,6,7", None),  # one task per node drives all of its GPUs (scripts/slurm.sbatch)
+        (16, 2, "0,1,2,3,4,5,6,7", (1,)),  # one task per GPU, each seeing the node's 8: SLURM_LOCALID's
+        (4, 2, "0,1,2,3,4,5,6,7", (4, 5, 6, 7)),  # two tasks per node: half each
+        (16, 2, "5", None),  # --gpus-per-task=1: the one GPU SLURM gave the task
+        (2, 1, None, (1,)),  # no GPUs that SLURM manages: one per task, as JAX would
+    ],
+)
+def test_slurm_tasks_get_their_share_of_the_gpus_they_see(tasks, nodes, visible, gpus):
+    env = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": str(tasks), "SLURM_PROCID": "1"}
+    env |= {"SLURM_LOCALID": "1", "SLURM_STEP_NUM_TASKS": str(tasks), "SLURM_STEP_NUM_NODES": str(nodes)}
+    if visible:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    assert resolve_world(env=env).local_device_ids == gpus
 
 
 def test_open_mpi_variables_leave_the_address_to_jax():
