@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from jdp.launch import free_port
 from jdp.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -44,6 +45,33 @@ def pod_environment(job: dict, index: int) -> dict[str, str]:
     return env
 
 
+def run_hosts(hosts: list[tuple[Path, str, dict]], argv: list[str], timeout: float) -> list[tuple[int, str, str]]:
+    """Run `argv` once per (hosts file, host name, environment), each in a mount and UTS namespace of its own with
+    that /etc/hosts and host name; wait for all. Returns (returncode, stdout, stderr) each; none outlives it."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "MASTER_", "TORCHELASTIC"))}
+    procs = []
+    try:
+        for hosts_file, hostname, env in hosts:
+            setup = f'mount --bind "{hosts_file}" /etc/hosts && hostname "{hostname}" && exec "$@"'
+            procs.append(
+                subprocess.Popen(
+                    ["unshare", "--mount", "--uts", "sh", "-c", setup, hostname, *argv],
+                    env=base | env,
+                    cwd=ROOT,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs, strict=True)]
+
+
 def test_the_indexed_job_trains_from_what_its_pods_are_given(tmp_path):
     service, job = yaml.safe_load_all((ROOT / "scripts/k8s-job.yaml").read_text())
     n, name, subdomain = (
@@ -62,32 +90,11 @@ def test_the_indexed_job_trains_from_what_its_pods_are_given(tmp_path):
     # The job's command, with the tiny model on this CPU and a run directory of the test's (every pod's "shared").
     argv = [str(Path(sys.executable).parent / "jdp"), "train", "configs/tiny.yaml", *SMALL]
     argv.append(f"train.run_dir={tmp_path / 'shared' / 'run'}")
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "MASTER_", "TORCHELASTIC"))}
-    base |= {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JDP_CACHE": str(tmp_path / "cache")}
-    pods = []
-    try:
-        for i in range(n):
-            env = base | pod_environment(job, i)
-            # A private mount of /etc/hosts and the pod's host name, then the container's command.
-            hosts = tmp_path / f"hosts-{i}"
-            setup = f'mount --bind "{hosts}" /etc/hosts && hostname "{env["HOSTNAME"]}" && exec "$@"'
-            pods.append(
-                subprocess.Popen(
-                    ["unshare", "--mount", "--uts", "sh", "-c", setup, "pod", *argv],
-                    env=env,
-                    cwd=ROOT,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
-            )
-        outs = [p.communicate(timeout=300) for p in pods]
-    finally:
-        for p in pods:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    assert all(p.returncode == 0 for p in pods), "\n".join(err[-3000:] for _, err in outs)
+    cpu = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JDP_CACHE": str(tmp_path / "cache")}
+    pods = [(tmp_path / f"hosts-{i}", f"{name}-{i}", cpu | pod_environment(job, i)) for i in range(n)]
+    results = run_hosts(pods, argv, timeout=300)
+    assert all(code == 0 for code, _, _ in results), "\n".join(err[-3000:] for _, _, err in results)
+    outs = [(out, err) for _, out, err in results]
     address = next(
         e["value"] for e in job["spec"]["template"]["spec"]["containers"][0]["env"] if "ADDRESS" in e["name"]
     )
@@ -102,34 +109,16 @@ def test_a_host_whose_own_name_does_not_resolve_is_one_error_line_naming_it(tmp_
     fix it, in one `jdp: error:` line, before any run directory exists."""
     hosts = tmp_path / "hosts"
     hosts.write_text("127.0.0.1 localhost\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "MASTER_", "TORCHELASTIC"))}
-    env |= {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JDP_CACHE": str(tmp_path / "cache")}
-    from jdp.launch import free_port
-
-    port, procs = free_port(), []
+    port = free_port()
+    cpu = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JDP_CACHE": str(tmp_path / "cache")}
+    job = [
+        {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)}
+        for i in range(2)
+    ]
     argv = [str(Path(sys.executable).parent / "jdp"), "train", "configs/tiny.yaml", f"train.run_dir={tmp_path / 'run'}"]
-    setup = f'mount --bind "{hosts}" /etc/hosts && hostname nowhere-{{}} && exec "$@"'
-    try:
-        for i in range(2):
-            job = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)}
-            procs.append(
-                subprocess.Popen(
-                    ["unshare", "--mount", "--uts", "sh", "-c", setup.format(i), "host", *argv],
-                    env=env | job,
-                    cwd=ROOT,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
-            )
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    for i, (p, (_, err)) in enumerate(zip(procs, outs, strict=True)):
-        assert p.returncode == 1, err[-3000:]
+    results = run_hosts([(hosts, f"nowhere-{i}", cpu | job[i]) for i in range(2)], argv, timeout=120)
+    for i, (code, _, err) in enumerate(results):
+        assert code == 1, err[-3000:]
         errors = [line for line in err.splitlines() if line.startswith("jdp: error:")]
         assert len(errors) == 1 and f"process {i} of 2 could not join" in errors[0], err[-3000:]
         assert f"getent hosts nowhere-{i}" in errors[0] and "Traceback" not in err
