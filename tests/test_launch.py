@@ -21,6 +21,8 @@ TRAIN = [
     "train.eval_every=3",
     "train.progress=false",
 ]
+# A smaller model than tiny's for the layout comparison: its runs are mostly start-up and compilation.
+SMALL = ["model.n_layers=2", "model.d_model=64", "model.max_seq_len=64", "data.seq_len=64", "data.val_tokens=4096"]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,7 @@ def jdp(args, env, timeout=400, **kw):
 
 def run_layout(tmp_path, env, nproc, devices_each):
     run_dir = tmp_path / f"{nproc}x{devices_each}"
-    args = [*TRAIN, f"train.run_dir={run_dir}"]
+    args = [*TRAIN, *SMALL, f"train.run_dir={run_dir}"]
     if nproc == 1:
         out = jdp(args, {**env, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_each}"})
     else:
