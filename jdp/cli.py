@@ -223,7 +223,7 @@ COMMANDS = {
         plan_arguments,
         "memory, step time and scaling of a config on N GPUs, before paying for them",
         "Predict, on any machine, memory per device, the step split into compute and gradient all-reduce, and "
-        "tokens/s and scaling efficiency for N = 1 .. 1024 GPUs (README: Planning a run).",
+        "tokens/s and scaling efficiency for N = 1 .. 1024 GPUs (docs/planning.md).",
         "jdp plan gpt2-small --devices 64 --gpu H100 --interconnect ib-ndr",
     ),
     "launch": (

@@ -52,8 +52,8 @@ def causal_attention(q_BxHxLxK: jax.Array, k_BxHxLxK: jax.Array, v_BxHxLxK: jax.
 
     Query block i attends only keys up to the block's end, so the fully masked part of q k^T is never computed:
     with 2 blocks (L = 128) a quarter of the attention work goes, with 8 (L >= 512) 44%. On CPUs XLA runs this
-    faster than jax.nn.dot_product_attention's generic path (fewer transposes, an additive mask; README,
-    Performance); on GPUs the fused cuDNN kernel wins, so "auto" picks per platform.
+    faster than jax.nn.dot_product_attention's generic path (fewer transposes, an additive mask;
+    docs/performance.md); on GPUs the fused cuDNN kernel wins, so "auto" picks per platform.
     """
     L, K = q_BxHxLxK.shape[-2:]
     n = query_blocks(L)

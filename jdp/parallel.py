@@ -384,7 +384,7 @@ def _apply(optimizer, schedule, step, params, opt_state, grads, loss, weight):
     # A non-finite loss or gradient skips the update (as PyTorch's GradScaler does). These values come after
     # the all-reduce, so every replica takes the same decision; the batch still counts as consumed (state.step
     # advances). Known before the update, the choice fuses into it. The new parameters are not checked here:
-    # that would cost one more pass over parameters and optimizer state every step (README, Performance); the
+    # that would cost one more pass over parameters and optimizer state every step (docs/performance.md); the
     # loop checks them before every checkpoint instead (nonfinite_leaves).
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     new_params, new_opt_state = jax.tree.map(

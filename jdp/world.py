@@ -447,7 +447,7 @@ def set_xla_flags(bucket_mb: float = 25.0, environ: dict | None = None, strategy
 
     XLA reads XLA_FLAGS once, when JAX first touches a device: call this before that (`jdp train` does).
     A flag already in XLA_FLAGS is left exactly as the user set it. No XLA:CPU speed option is added: none
-    measured faster on every kind of CPU this project runs on (README, Performance), so XLA's defaults stand.
+    measured faster on every kind of CPU this project runs on (docs/performance.md), so XLA's defaults stand.
     """
     environ = os.environ if environ is None else environ
     current = environ.get("XLA_FLAGS", "")
@@ -484,7 +484,7 @@ def keep_scratch_memory(environ: dict | None = None) -> bool:
 
     XLA:CPU allocates a step's temporaries as one large block from a worker thread. glibc serves a block that
     large from a thread's arena with a fresh mmap and unmaps it when freed, so every step page-faults all of it
-    in again (README, Performance, has the measurement). One arena (the main heap, which has no size cap), no
+    in again (docs/performance.md has the measurement). One arena (the main heap, which has no size cap), no
     mmap and no trimming keep the block between steps, as PyTorch's caching allocators keep theirs; the price
     is that freed host memory goes back to the OS only at exit. Call it before JAX first touches a device
     (`jdp train` does). It does nothing where the C library is not glibc, where a GPU plugin is installed and

@@ -1,4 +1,4 @@
-"""jdp's speed, measured side by side in one run and reported as ratios (README, Performance).
+"""jdp's speed, measured side by side in one run and reported as ratios (docs/performance.md).
 
     python scripts/bench.py --out DIR [--config tiny] [--processes 2] [--rounds 5] [--only powersgd ...]
 

@@ -5,7 +5,7 @@
 Runs `jdp train tiny train.steps=300` (override with key=value) three times on N simulated CPU devices, one
 after another, then prints each run's final eval loss and its distance from the uncompressed run, and plots the
 three loss curves (`jdp plot`) to DIR/powersgd.png. key=value overrides apply to all three runs, e.g.
-parallel.powersgd_uncompressed=embed. About 8 minutes on a 2-core CPU (README, Communication hooks and PowerSGD).
+parallel.powersgd_uncompressed=embed. About 8 minutes on a 2-core CPU (docs/performance.md, Communication hooks and PowerSGD).
 """
 
 from __future__ import annotations

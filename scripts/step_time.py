@@ -1,5 +1,5 @@
-"""Milliseconds per train step for a config on this machine's devices: the quick check behind README's
-Performance notes (what each XLA option or model change is worth).
+"""Milliseconds per train step for a config on this machine's devices: the quick check behind
+docs/performance.md's notes (what each XLA option or model change is worth).
 
     python scripts/step_time.py tiny [section.key=value ...] [--steps 10]
     XLA_FLAGS=--xla_cpu_use_thunk_runtime=false taskset -c 0 python scripts/step_time.py tiny train.batch_size=16

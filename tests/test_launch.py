@@ -241,7 +241,7 @@ def test_a_process_that_leaves_outside_a_step_is_named_by_the_others_within_seco
         other = results[1 - pid]
         assert other[0] != 0
         assert f"process {pid} failed while {phase[where]}" in other[2], other[2][-2000:]
-        # The bound the README promises (<= 60 s, parallel.heartbeat_timeout_s's default is 30): measured here.
+        # The bound docs/faults.md promises (<= 60 s, parallel.heartbeat_timeout_s's default is 30): measured here.
         apart = abs(results.ended[1 - pid] - results.ended[pid])
         print(f"{where}, process {pid} leaves: the other exits {apart:.1f} s apart")
         assert apart < 60
