@@ -5,6 +5,7 @@ import math
 import os
 import re
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -170,8 +171,9 @@ def test_compression_needs_ddp_and_sane_knobs():
     assert "parallel.powersgd_rank=0 must be" in str(e.value) and "parallel.powersgd_min_ratio=0.5" in str(e.value)
 
 
-def test_readme_custom_hook_example_trains_on_four_devices(tmp_path):
-    out = run_on_four_devices(tmp_path, readme_block("hook-example"))
+def test_docs_custom_hook_example_trains_on_four_devices(tmp_path):
+    page = Path(__file__).resolve().parents[1] / "docs" / "performance.md"
+    out = run_on_four_devices(tmp_path, readme_block("hook-example", page))
     match = re.search(r"float16 hook: loss ([\d.]+) \(mean: ([\d.]+)\), replicas differ: (\[.*\])", out.stdout)
     assert match, out.stdout
     assert match.group(3) == "[]"

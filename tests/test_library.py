@@ -9,10 +9,10 @@ from pathlib import Path
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-def readme_block(marker: str) -> str:
-    """The Python block after `<!-- MARKER ... -->` in README.md."""
-    match = re.search(rf"<!-- {marker}[^>]*-->\s*```python\n(.*?)```", README.read_text(), re.S)
-    assert match, f"README.md lost its {marker} block"
+def readme_block(marker: str, page: Path = README) -> str:
+    """The Python block after `<!-- MARKER ... -->` in README.md (or another page of the docs)."""
+    match = re.search(rf"<!-- {marker}[^>]*-->\s*```python\n(.*?)```", page.read_text(), re.S)
+    assert match, f"{page.name} lost its {marker} block"
     return match.group(1)
 
 
