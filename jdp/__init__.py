@@ -27,6 +27,7 @@ _EXPORTS = {
     "GPT": "jdp.model",
     "lm_loss": "jdp.model",
     "make_optimizer": "jdp.optim",
+    "AXIS": "jdp.parallel",
     "TrainState": "jdp.parallel",
     "init_state": "jdp.parallel",
     "make_eval_step": "jdp.parallel",
@@ -35,12 +36,22 @@ _EXPORTS = {
     "process_rows": "jdp.parallel",
     "replica_mismatches": "jdp.parallel",
     "shard_batch": "jdp.parallel",
-    "train": "jdp.train",
+    "train": "jdp.lm",
+    "Trainer": "jdp.trainer",
+    "RunError": "jdp.trainer",
+    "every": "jdp.callbacks",
+    "StepInfo": "jdp.callbacks",
+    "Loader": "jdp.dataset",
 }
 __all__ = [
+    "AXIS",
     "GPT",
     "Config",
     "ConfigError",
+    "Loader",
+    "RunError",
+    "StepInfo",
+    "Trainer",
     "TrainState",
     "init_state",
     "lm_loss",
@@ -52,6 +63,7 @@ __all__ = [
     "process_rows",
     "replica_mismatches",
     "shard_batch",
+    "every",
     "train",
 ]
 __version__ = "0.1.0"
@@ -74,9 +86,11 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from jdp.config import Config, ConfigError, load_config
+    from jdp.lm import train
     from jdp.model import GPT, lm_loss
     from jdp.optim import make_optimizer
     from jdp.parallel import (
+        AXIS,
         TrainState,
         init_state,
         make_eval_step,
@@ -86,4 +100,3 @@ if TYPE_CHECKING:
         replica_mismatches,
         shard_batch,
     )
-    from jdp.train import train

@@ -354,6 +354,22 @@ class Checkpoints:
         self.manager.close()
 
 
+def make_record(cfg: Config, step: int, optimizer_layout: dict, comm: dict | None = None) -> dict:
+    """A checkpoint's JSON record beside its arrays: what resuming checks and needs besides the train state (the
+    config it was trained with, where the data stood, how the optimizer state is laid out, the hook's state)."""
+    record = {
+        "step": step,
+        "config": json.loads(json.dumps(cfg.to_dict())),
+        "data": {"seed": cfg.train.seed, "step": step},  # global batch s is a pure function of (seed, s)
+        "rng": "model random streams (dropout) derive from the keys in the state, the step and the device or row; "
+        "data order from (train.seed, step)",
+        "optimizer_layout": optimizer_layout,
+    }
+    if comm is not None:
+        record["comm"] = comm
+    return record
+
+
 def check_resumable(record: dict, cfg: Config) -> None:
     differences = config_differences(record["config"], json.loads(json.dumps(cfg.to_dict())))
     if differences:

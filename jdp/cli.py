@@ -54,7 +54,8 @@ def _train(args: argparse.Namespace) -> int:
     except jobs.WorldError as e:
         raise ConfigError(str(e)) from e
     from jdp.coordination import leave_job
-    from jdp.train import RunError, train
+    from jdp.lm import train
+    from jdp.trainer import RunError
 
     try:
         train(cfg, world, explicit_keys(overrides))

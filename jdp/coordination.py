@@ -168,11 +168,14 @@ class StopAgreement:
     MARGIN = 3
     KEY = "jdp/stop_after_step"
 
-    def __init__(self):
+    def __init__(self, handle_signals: bool = True):
+        """handle_signals=False: this process installs no handler (a library caller keeps its own), and stops only
+        where another process of the job proposed."""
         self.stop_at: int | None = None
         self.signals = 0
         self._pending: int | None = None
-        self._previous = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+        wanted = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
+        self._previous = {sig: signal.signal(sig, self._handler) for sig in wanted}
 
     def _handler(self, sig, frame) -> None:
         self.signals += 1

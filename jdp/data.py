@@ -17,14 +17,15 @@ import numpy as np
 from jdp import stream
 from jdp.config import ConfigError, DataConfig
 from jdp.corpus import open_corpus
+from jdp.dataset import GlobalOrder
 from jdp.tokens import ByteTokenizer, HFTokenizer, Tokens, load_tokenizer, n_windows, tokenize, windows
 
 
 class Batches:
     """The training batches: global batch `step` is a pure function of (seed, step).
 
-    Window order is the endless concatenation of one fresh permutation per epoch; global batch s is
-    entries [s*B, (s+1)*B) of it. Every window appears exactly once per epoch, and a batch that
+    Windows are rows in jdp's global order (dataset.GlobalOrder): one fresh permutation per epoch, concatenated
+    without end, batch s = entries [s*B, (s+1)*B). Every window appears exactly once per epoch, and a batch that
     straddles an epoch boundary takes the end of one epoch and the start of the next: nothing is dropped
     or repeated, and no process ever waits for a batch another process lacks.
     """
@@ -32,27 +33,14 @@ class Batches:
     def __init__(self, stream: np.ndarray, seq_len: int, batch_size: int, seed: int):
         self.stream, self.seq_len, self.batch_size, self.seed = stream, seq_len, batch_size, seed
         self.n = n_windows(stream, seq_len)
-        self._perms: dict[int, np.ndarray] = {}
-
-    def _perm(self, epoch: int) -> np.ndarray:
-        if epoch not in self._perms:
-            if len(self._perms) > 2:
-                self._perms.pop(min(self._perms))
-            self._perms[epoch] = np.random.default_rng([self.seed, 0, epoch]).permutation(self.n)
-        return self._perms[epoch]
+        self.order = GlobalOrder(self.n, batch_size, seed)
 
     def indices(self, step: int) -> np.ndarray:
         """Window indices of global batch `step` (0-based)."""
-        pos = step * self.batch_size + np.arange(self.batch_size)
-        epochs, within = np.divmod(pos, self.n)
-        out = np.empty(self.batch_size, np.int64)
-        for e in np.unique(epochs):
-            sel = epochs == e
-            out[sel] = self._perm(int(e))[within[sel]]
-        return out
+        return self.order.indices(step)
 
     def epoch(self, step: int) -> float:
-        return step * self.batch_size / self.n
+        return self.order.epoch(step)
 
     def batch(self, step: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
         """This process's rows of global batch `step`."""

@@ -249,9 +249,11 @@ class StepMeter:
     """Turns each finished step's metrics into metrics.jsonl records: throughput and MFU since the previous record
     (the interval that includes compilation reports none), data wait, and the non-finite steps skipped."""
 
-    def __init__(self, cfg: Config, tokens_per_step: int, peak: float, epoch_of):
+    def __init__(self, cfg: Config, tokens_per_step: int, peak: float, epoch_of, flops_per_token: float = 0.0):
+        """tokens_per_step: what the model counts per step (tokens, or rows); flops_per_token: training FLOPs per
+        one of them (0: unknown, no MFU)."""
         self.cfg, self.tokens_per_step, self.peak, self.epoch_of = cfg, tokens_per_step, peak, epoch_of
-        self.flops_per_token = flops_per_token(cfg)
+        self.flops_per_token = flops_per_token
         self.t: float | None = None  # when the current throughput interval started
         self.tokens = 0  # tokens trained in it
         self.tps: float | None = None  # the last throughput measured
@@ -282,9 +284,9 @@ class StepMeter:
                 "step": step,
                 "loss": m["loss"],
                 "grad_norm": m["grad_norm"],
-                "lr": m["lr"],
+                "lr": m.get("lr"),
                 "tokens_per_sec": tps,
-                "mfu": None if tps is None or math.isnan(self.peak) else self.flops_per_token * tps / self.peak,
+                "mfu": self.mfu(tps),
                 "epoch": self.epoch_of(step),
                 "tokens": step * self.tokens_per_step,
                 # Seconds the loop waited for this process's batches since the previous record.
@@ -296,6 +298,11 @@ class StepMeter:
         if self.t is None or tps is not None:
             self.restart()
         return record
+
+    def mfu(self, tps: float | None) -> float | None:
+        if tps is None or math.isnan(self.peak) or not self.flops_per_token:
+            return None
+        return self.flops_per_token * tps / self.peak
 
     def restart(self) -> None:
         """Start a new throughput interval now (after evaluation: its time is not training throughput)."""

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from jdp.config import ConfigError, load_config
+from jdp.lm import train
 from jdp.metrics import read_metrics
-from jdp.train import RunError, train
+from jdp.trainer import RunError
 
 pytestmark = pytest.mark.slow
 

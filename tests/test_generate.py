@@ -15,8 +15,8 @@ from flax import nnx
 from jdp.cli import generate_arguments
 from jdp.config import ConfigError, load_config
 from jdp.generate import generate, load, load_run, run, sample_tokens
+from jdp.lm import train
 from jdp.metrics import params_sha256
-from jdp.train import train
 
 P = 64  # model.max_seq_len of the test run
 TINY = [f"model.max_seq_len={P}", f"data.seq_len={P}", "model.n_layers=1", "model.d_model=64"]

@@ -179,7 +179,7 @@ def test_bad_directories_and_mismatched_configs_are_clear_errors(tmp_path):
 def _import_config(overrides=(), path=FIXTURE):
     """checked_import of `jdp train tiny train.init_from=PATH data.tokenizer=PATH OVERRIDES...`."""
     from jdp.config import explicit_keys, load_config
-    from jdp.train import checked_import
+    from jdp.lm import checked_import
 
     overrides = [f"train.init_from={path}", f"data.tokenizer={path}", *overrides]
     return checked_import(load_config("tiny", overrides), explicit_keys(overrides))
@@ -427,7 +427,7 @@ def test_transformers_gives_a_byte_export_only_the_tokenizers_ids(tmp_path):
 def test_gpt2_finetune_fits_gpt2_small_and_new_keys_do_not_block_resume(tmp_path):
     from jdp.checkpoint import config_differences
     from jdp.config import load_config, validate
-    from jdp.train import checked_import
+    from jdp.lm import checked_import
 
     d = tmp_path / "gpt2"
     d.mkdir()

@@ -8,7 +8,7 @@ import sys
 
 from jdp.cli import main
 from jdp.config import load_config
-from jdp.train import train
+from jdp.lm import train
 
 TINY = [
     "model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.max_seq_len=32", "data.seq_len=32",

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from jdp.config import ConfigError, load_config, validate
+from jdp.lm import train
 from jdp.metrics import read_metrics
-from jdp.train import train
 
 SMALL = [
     "model.n_layers=1", "model.d_model=64", "model.max_seq_len=64", "data.seq_len=64", "train.batch_size=8",

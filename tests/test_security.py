@@ -144,7 +144,7 @@ def test_links_out_of_a_run_directory_are_refused(tmp_path):
     (run / "metrics.jsonl").symlink_to(outside)
     with pytest.raises(RunDirEscape, match=r"metrics.jsonl is a link to .*outside.txt, outside the run directory"):
         RunDir(run).check_contained()
-    from jdp.train import train
+    from jdp.lm import train
 
     with pytest.raises(ConfigError, match="outside the run directory"):
         train(load_config("tiny", [*SMALL, "train.steps=2", f"train.run_dir={run}"]))

@@ -11,8 +11,8 @@ import pytest
 import jdp.parallel
 from jdp.cli import main
 from jdp.config import ConfigError, load_config
+from jdp.lm import train
 from jdp.metrics import read_metrics
-from jdp.train import train
 
 
 @pytest.fixture(scope="session")

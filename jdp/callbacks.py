@@ -1,0 +1,174 @@
+"""Periodic work between steps, as a list of callbacks that own their cadence (Levanter's `add_hook(fn, every=n)`).
+
+The loop calls every callback after every step, in order, and once more at the end of a run; each decides for
+itself whether it has work then. jdp's own (replica checks, evaluation, checkpoints) are callbacks like a user's:
+`jdp.every(500, fn)` runs `fn(info)` every 500 steps. Each runs inside one `with phases(...)` block, which names it
+in errors, times it for the goodput account and pauses the step watchdog where the work may legitimately be long.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from jdp import parallel
+
+Loop = Any  # jdp.loop.Loop, which calls the callbacks (not imported: loop.py imports this module)
+
+__all__ = ["Callback", "Checkpoint", "Evaluate", "ReplicaCheck", "StepInfo", "every"]
+
+
+@dataclass
+class StepInfo:
+    """What a callback sees: the step just done, the train state after it, and the last logged metrics."""
+
+    step: int
+    state: parallel.TrainState
+    graphdef: Any
+    metrics: dict[str, Any]
+    run_dir: Any  # rundir.RunDir
+    is_main: bool  # process 0: the one that writes files and prints
+
+    @property
+    def model(self):
+        """The model as a plain NNX module (a copy merged from the state: changing it changes nothing)."""
+        from flax import nnx
+
+        return nnx.merge(self.graphdef, self.state.params, self.state.rest)
+
+
+class Callback:
+    """Work between steps. `begin(loop)` runs before the first step; `due(step, last)` says whether to run after
+    `step` (`last`: the run's final step) and `run(loop, step)` does it; `end(loop, preempted)` runs once after the
+    last step (or the agreed step of a preemption)."""
+
+    name = "a callback"
+    account: str | None = None  # the goodput part its time counts to (None: training time)
+    pause_watchdog = False
+
+    def due(self, step: int, last: int) -> bool:
+        return False
+
+    def begin(self, loop: Loop) -> None:
+        """Before the first step (part of start-up)."""
+
+    def run(self, loop: Loop, step: int) -> None:
+        pass
+
+    def end(self, loop: Loop, preempted: bool) -> None:
+        pass
+
+
+class Every(Callback):
+    """A user's function run every `n` steps (and after the last step, with `at_end`): fn(StepInfo)."""
+
+    def __init__(self, n: int, fn: Callable[[StepInfo], None], at_end: bool = False, name: str = ""):
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"every(n={n!r}, ...): n must be a whole number of steps, 1 or more")
+        self.n, self.fn, self.at_end = n, fn, at_end
+        self.name = name or getattr(fn, "__name__", "a callback")
+
+    def due(self, step: int, last: int) -> bool:
+        return step % self.n == 0 and step < last
+
+    def run(self, loop: Loop, step: int) -> None:
+        self.fn(loop.info(step))
+
+    def end(self, loop: Loop, preempted: bool) -> None:
+        if self.at_end and not preempted:
+            with loop.phases(f"running {self.name} at step {loop.done}"):
+                self.fn(loop.info(loop.done))
+
+
+def every(n: int, fn: Callable[[StepInfo], None], *, at_end: bool = False, name: str = "") -> Callback:
+    """Run `fn(info)` every `n` steps (and once after the last step if `at_end`); `info` is a StepInfo."""
+    return Every(n, fn, at_end, name)
+
+
+class ReplicaCheck(Callback):
+    """Every `every` steps (and at start): a digest of every device's copy of the parameters and other model state
+    must be the same bits on every device, else the run stops naming the devices that differ."""
+
+    name, account = "checking the replicas", "replica_checks_s"
+
+    def __init__(self, every: int):
+        self.every = every
+
+    def due(self, step: int, last: int) -> bool:
+        return bool(self.every) and step % self.every == 0 and step < last
+
+    def begin(self, loop: Loop) -> None:
+        with loop.phases(f"{self.name} at step {loop.done}"):  # part of start-up, not of the goodput account
+            self.run(loop, loop.done)
+
+    def run(self, loop: Loop, step: int) -> None:
+        run = loop.run
+        loop.state.params = run.faults.replicas(step, loop.state.params)
+        tree = {"params": loop.state.params, "rest": loop.state.rest}
+        if bad := parallel.replica_digest_mismatches(run.digest, tree, run.mesh):
+            raise RuntimeError(
+                f"replicas diverged at step {step}: the parameters on {', '.join(bad)} differ from device 0's"
+            )
+
+
+class Evaluate(Callback):
+    """Every `every` steps and after the last: the mean loss over every validation example on every device."""
+
+    name, account, pause_watchdog = "evaluating", "eval_s", True
+
+    def __init__(self, every: int):
+        self.every = every
+
+    def due(self, step: int, last: int) -> bool:
+        return bool(self.every) and step % self.every == 0 and step < last
+
+    def run(self, loop: Loop, step: int) -> None:
+        run = loop.run
+        run.faults.at("eval", step)
+        loss, weight = evaluate(run.eval_step, loop.state, run.eval_data.eval_batches(), run.mesh, run.batch_size)
+        run.log.write({"step": step, "eval_loss": loss, f"eval_{run.unit}": weight})
+        loop.last.update(eval_loss=loss)
+        if loop.is_main:
+            loop.bar.write(f"step {step}: eval_loss {loss:.4f} over {weight:,.0f} {run.unit}")
+        loop.meter.restart()  # evaluation time is not training throughput
+
+    def end(self, loop: Loop, preempted: bool) -> None:
+        if not preempted:
+            with loop.phases(f"{self.name} at step {loop.done}", self.account, self.pause_watchdog):
+                self.run(loop, loop.done)
+
+
+def evaluate(eval_step, state, batches, mesh, batch_size: int) -> tuple[float, float]:
+    """Mean loss over every validation row on every device: (sum of losses) / (sum of weights)."""
+    pending = [eval_step(state, parallel.shard_batch(local, mesh, batch_size)) for local in batches]
+    loss_sum = weight_sum = 0.0
+    for loss, weight in jax.device_get(pending):
+        loss_sum += float(loss)
+        weight_sum += float(weight)
+    return loss_sum / max(weight_sum, 1.0), weight_sum
+
+
+class Checkpoint(Callback):
+    """Every `every` steps and at the end (after a preemption too): the train state and every component's state,
+    written in the background (checkpoint.py owns the format). A failed background save stops the run at the next
+    step boundary, naming its step."""
+
+    name, account, pause_watchdog = "saving the checkpoint", "checkpoint_s", True
+
+    def __init__(self, every: int):
+        self.every = every
+
+    def due(self, step: int, last: int) -> bool:
+        return bool(self.every) and step % self.every == 0 and step < last
+
+    def run(self, loop: Loop, step: int) -> None:
+        loop.save(step)
+
+    def end(self, loop: Loop, preempted: bool) -> None:
+        if loop.done not in loop.saved:
+            with loop.phases(f"{self.name} at step {loop.done}", self.account, self.pause_watchdog):
+                loop.save(loop.done)
+        loop.check_background_save(wait=True)

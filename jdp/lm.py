@@ -1,0 +1,136 @@
+"""`jdp train`: the language-model task. jdp's GPT (fresh, or imported from Hugging Face), the LM loss and the
+text pipeline, handed to the trainer; everything else (the loop, checkpoints, faults) is trainer.py's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jdp import hf
+from jdp.build import comm_hook
+from jdp.config import Config, ConfigError, Derived
+from jdp.data import Data, eval_batches, load_data
+from jdp.memory import check_memory
+from jdp.metrics import flops_per_token
+from jdp.model import GPT, lm_loss
+from jdp.optim import make_optimizer
+from jdp.trainer import Trainer
+from jdp.world import World
+
+__all__ = ["LanguageModel", "Text", "checked_import", "train"]
+
+
+def train(cfg: Config, world: World | None = None, explicit: frozenset[str] = frozenset()) -> dict:
+    """Train the configured GPT; returns the last train and eval metrics (and the final state). `explicit`: the
+    keys the user set on the command line (`model.d_model`, ...), which an import must agree with."""
+    cfg, adopted = checked_import(cfg, explicit) if cfg.train.init_from else (cfg, [])
+    return LanguageModel(cfg, world, adopted).fit()
+
+
+class LanguageModel(Trainer):
+    """The trainer for jdp's GPT on text: the model, the loss and the data are the only things it adds."""
+
+    unit = "tokens"
+
+    def __init__(self, cfg: Config, world: World | None = None, adopted: list[str] = (), handle_signals=True):
+        optimizer, schedule = make_optimizer(cfg.optim, cfg.train.steps)
+        super().__init__(None, lm_loss, optimizer, None, cfg, schedule=schedule, world=world,
+                         comm_hook=comm_hook(cfg.parallel, cfg.train.seed), handle_signals=handle_signals)  # fmt: skip
+        self.adopted, self.imported = list(adopted), None
+
+    def check(self, mesh: jax.sharding.Mesh) -> Derived:
+        derived = Trainer.check(self, mesh)
+        derived = dataclasses.replace(derived, tokens_per_step=self.cfg.train.batch_size * self.cfg.data.seq_len)
+        check_memory(self.cfg, derived, mesh)  # before anything is allocated: a run too large is refused here
+        return derived
+
+    def load_data(self, rows: slice):
+        cfg = self.cfg
+        data = load_data(cfg.data, cfg.model.vocab_size, cfg.train.batch_size, cfg.train.seed, rows,
+                         jax.process_index(), jax.process_count())  # fmt: skip
+        if (valid := cfg.model.vocab_valid) and data.tokenizer.vocab_size > valid:
+            raise ConfigError(
+                f"data.tokenizer={cfg.data.tokenizer} has {data.tokenizer.vocab_size} tokens but the model knows "
+                f"{valid} (model.vocab_valid); use the model's own tokenizer"
+            )
+        return Text(data, cfg), (Text(data, cfg) if cfg.data.val_tokens > 0 else None)
+
+    @property
+    def model_phase(self) -> str:
+        return f"reading {self.cfg.train.init_from}" if self.cfg.train.init_from else "building the model"
+
+    def make_model(self) -> nnx.Module:
+        if self.cfg.train.init_from:
+            model, self.imported = hf.load_model(self.cfg.model, self.cfg.train.init_from)
+            return model
+        return GPT(self.cfg.model, nnx.Rngs(self.cfg.train.seed))
+
+    def describe_model(self, n_params: int, peak: float, peak_source: str) -> str:
+        return (
+            f"model {n_params:,} parameters | {flops_per_token(self.cfg) / 1e6:.1f} MFLOPs/token | MFU peak: "
+            f"{peak / 1e12:.3g} TFLOP/s, {peak_source}"
+        )
+
+    def flops_per_unit(self) -> float:
+        return flops_per_token(self.cfg)
+
+    def announce(self, resumed_from: int | None) -> None:
+        if self.imported:
+            print(f"jdp | {self.imported.describe() if resumed_from is None else 'train.init_from not used: resuming'}")
+        for change in self.adopted:  # what the import took from config.json
+            print(f"jdp | {change}")
+
+
+class Text:
+    """The text pipeline as the trainer's loaders: training windows in the global order, validation windows."""
+
+    def __init__(self, data: Data, cfg: Config):
+        self.data, self.train = data, data.train
+        self.seq_len, self.batch_size = cfg.data.seq_len, cfg.train.batch_size
+
+    def local_batch(self, step: int) -> dict[str, np.ndarray]:
+        return self.data.local_batch(step)
+
+    def position(self):
+        return self.data.position()
+
+    def epoch(self, step: int) -> float:
+        return self.train.epoch(step)
+
+    def describe(self) -> str:
+        return self.data.describe()
+
+    def eval_batches(self):
+        """Every validation window once, in order; the last batch padded with zero-weight rows."""
+        return eval_batches(self.data.tokens.val, self.seq_len, self.batch_size, self.data.rows)
+
+
+def checked_import(cfg: Config, explicit: frozenset[str] = frozenset()) -> tuple[Config, list[str]]:
+    """The config with train.init_from's model: (config, what the import changed, to print at start).
+
+    The model's keys come from the directory's config.json, and data.seq_len is lowered to its positions, except
+    where the command line set them (`explicit`): those must agree, and all that do not are one error."""
+    path = cfg.train.init_from
+    if cfg.data.tokenizer == "byte":
+        raise ConfigError(
+            f"train.init_from={path} with data.tokenizer=byte: the imported model's ids are its own "
+            f"tokenizer's; set data.tokenizer to it (e.g. data.tokenizer={path})"
+        )
+    adopted = hf.adopt(cfg.model, path, explicit)
+    changes, conflicts, data = list(adopted.changes), list(adopted.conflicts), cfg.data
+    positions = adopted.read["max_seq_len"]
+    if data.seq_len > positions:
+        if "data.seq_len" in explicit:
+            conflicts.append(f"data.seq_len={data.seq_len} (config.json's model has {positions} positions)")
+        else:
+            changes.append(f"data.seq_len {data.seq_len} -> {positions} (the model's positions, from config.json)")
+            data = dataclasses.replace(data, seq_len=positions)
+    if conflicts:
+        raise ConfigError(
+            f"train.init_from={path}: the command line contradicts its {hf.CONFIG}:\n  " + "\n  ".join(conflicts)
+            + f"\nLeave these keys out (the import takes {hf.CONFIG}'s values) or set them to agree"
+        )  # fmt: skip
+    return dataclasses.replace(cfg, model=adopted.model, data=data), changes

@@ -1,0 +1,513 @@
+"""The trainer: one loop for every model. config -> mesh -> data -> state and step -> loop -> checkpoint.
+
+`jdp.Trainer(model, loss_fn, optimizer, data, config).fit()` runs for any Flax NNX model what `jdp train` runs for
+jdp's GPT (lm.py is a Trainer too): the world-size-invariant, exactly-once data order, exact resume after a kill,
+preemption at an agreed step, checksummed checkpoints, the non-finite skip, replica digests, the watchdogs,
+metrics and trackers, goodput and the progress bar. docs/library.md shows it beside the same in PyTorch DDP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+import yaml
+from flax import nnx
+from jax.experimental import multihost_utils
+
+from jdp import parallel
+from jdp.callbacks import Callback, Checkpoint, Evaluate, ReplicaCheck
+from jdp.checkpoint import Checkpoints, check_resumable, config_differences, make_record
+from jdp.config import Config, ConfigError, Derived, save_config, validate
+from jdp.coordination import PeerMonitor, announce_departure, first_departure
+from jdp.corpus import cache_root
+from jdp.faults import Faults
+from jdp.hooks import CommHook
+from jdp.loop import Loop, Phases, Result, Run
+from jdp.metrics import (
+    MetricsLog,
+    StepMeter,
+    fingerprint,
+    lost_steps,
+    missing_steps,
+    params_sha256,
+    peak_flops,
+    step_ranges,
+    supersede,
+)
+from jdp.rundir import RunDir, RunDirEscape, RunDirInUse, RunLock
+from jdp.world import (
+    World,
+    WorldError,
+    initialize,
+    keep_scratch_memory,
+    resolve_world,
+    set_xla_flags,
+    use_compilation_cache,
+)
+
+__all__ = ["RunError", "Trainer"]
+
+LossFn = parallel.LossFn
+
+
+class RunError(RuntimeError):
+    """Training failed; the message names the process and the phase it was in."""
+
+
+class Trainer:
+    """Trains `model` with `loss_fn(model, batch) -> (loss_sum, weight_sum)` and an optax optimizer on `data`.
+
+    model: an `nnx.Module`, or a function returning one (built once the job has started: pass a function when
+    the script runs on several processes, since `jax.distributed` must start before anything touches a device).
+    data: a `jdp.Loader` (any Hugging Face `datasets.Dataset`, dict of arrays or indexable, in jdp's global order),
+    or anything with `local_batch(step)`; or a function `rows -> such a loader` given this process's rows.
+    eval_data: the same for evaluation (its `eval_batches()` covers every row once), or None. collate: rows (a list
+    of dicts) -> a dict of numpy arrays, for the data jdp's Loader reads (default: each column stacked).
+    config: a `jdp.Config`; the trainer reads `train`, `parallel` and `data.prefetch` (`jdp.load_config(None,
+    ["train.steps=100", ...])` builds one from `key=value` strings). callbacks: `jdp.every(n, fn)` and the like,
+    run after jdp's replica checks and evaluation and before its checkpoints. handle_signals: SIGTERM/SIGINT stop
+    every process at one agreed step and save there (the `jdp` command does; a library caller asks for it).
+    mesh: the devices to train on (default every device of every process). flops_per_row: training FLOPs per row,
+    for MFU in the metrics (0: no MFU).
+    """
+
+    unit = "examples"  # what the loss weight counts, in metrics and messages
+    model_phase = "building the model"
+
+    def __init__(
+        self,
+        model: nnx.Module | Callable[[], nnx.Module],
+        loss_fn: LossFn,
+        optimizer: optax.GradientTransformation,
+        data: Any,
+        config: Config | None = None,
+        *,
+        eval_data: Any = None,
+        collate: Callable[[list[dict]], dict] | None = None,
+        schedule: optax.Schedule | None = None,
+        comm_hook: CommHook | None = None,
+        callbacks: Sequence[Callback] = (),
+        handle_signals: bool = False,
+        world: World | None = None,
+        mesh: jax.sharding.Mesh | None = None,
+        flops_per_row: float = 0.0,
+    ):
+        self.cfg = config if config is not None else Config()
+        if not self.cfg.train.run_dir:
+            raise ConfigError("train.run_dir is empty: give the trainer a run directory (config.train.run_dir)")
+        self.model, self.loss_fn, self.optimizer, self.schedule = model, loss_fn, optimizer, schedule
+        self.data, self.eval_data, self.comm_hook, self.callbacks = data, eval_data, comm_hook, list(callbacks)
+        self.handle_signals, self.world, self.flops_per_row = handle_signals, world, flops_per_row
+        self.collate = collate
+        self.mesh = mesh  # default: every device of every process (jdp.make_mesh())
+        apply_xla_options(self.cfg)
+
+    # -- what a task (lm.py: the GPT on text) specialises ---------------------------------------------------------
+
+    def check(self, mesh: jax.sharding.Mesh) -> Derived:
+        """Everything about the config alone that can be wrong, checked before anything is written."""
+        derived = validate(self.cfg, mesh.devices.size, jax.process_count())
+        return dataclasses.replace(derived, tokens_per_step=self.cfg.train.batch_size)
+
+    def load_data(self, rows: slice) -> tuple[Any, Any]:
+        """(training loader, evaluation loader or None) for this process's `rows` of every global batch."""
+        return (_loader(self.data, rows, self.cfg, self.collate, train=True),
+                _loader(self.eval_data, rows, self.cfg, self.collate, train=False))  # fmt: skip
+
+    def make_model(self) -> nnx.Module:
+        return self.model() if callable(self.model) and not isinstance(self.model, nnx.Module) else self.model
+
+    def describe_model(self, n_params: int, peak: float, peak_source: str) -> str:
+        return f"model {n_params:,} parameters | MFU peak: {peak / 1e12:.3g} TFLOP/s, {peak_source}"
+
+    def flops_per_unit(self) -> float:
+        return self.flops_per_row
+
+    def announce(self, resumed_from: int | None) -> None:
+        """Lines a task prints after the banner."""
+
+    # -- the run ---------------------------------------------------------------------------------------------------
+
+    def fit(self) -> dict:
+        """Train to train.steps (or resume there); returns the last metrics and eval_loss, the final state and
+        graphdef. Errors: ConfigError for bad input (before any compute), RunError naming the phase otherwise."""
+        cfg = self.cfg
+        world = self.world
+        if world is None:
+            try:
+                world = resolve_world()
+            except WorldError as e:
+                raise ConfigError(str(e)) from e
+        if not jax.distributed.is_initialized():
+            p = cfg.parallel
+            initialize(world, p.init_timeout_s, p.heartbeat_timeout_s, p.coordinator_bind)
+        phases, run_dir = Phases(), RunDir(cfg.train.run_dir)
+        lock, peers = RunLock(run_dir), PeerMonitor()
+        created = run_dir.missing_dirs() if jax.process_index() == 0 else []  # removed again if the run never starts
+        try:
+            try:
+                run_dir.check_contained()
+            except RunDirEscape as e:
+                raise ConfigError(str(e)) from None
+            mesh = self.mesh if self.mesh is not None else parallel.make_mesh()
+            derived = self.check(mesh)  # before the run directory is made: a bad config leaves nothing behind
+            if (complete := hold(lock, run_dir, cfg)) is not None:
+                return already_complete(run_dir, complete)
+            run = self.setup(world, phases, mesh, derived)
+            result = Loop(run).go()
+            with phases("writing the summary"):
+                return finish(run, world, derived, result)
+        except ConfigError as e:
+            announce_departure(f"found bad input: {e}")
+            raise
+        except KeyboardInterrupt:
+            announce_departure("was interrupted")
+            raise
+        except Exception as e:
+            announce_departure(f"failed while {phases.now}: {type(e).__name__}: {e}")
+            who = f"process {jax.process_index()} of {jax.process_count()}"
+            first = f" (the first to leave the job: {notice})" if (notice := first_departure()) else ""
+            raise RunError(f"{who} failed while {phases.now}: {type(e).__name__}: {e}{first}") from e
+        finally:
+            peers.close()
+            lock.release()
+            RunDir.remove_if_empty(created)  # e.g. the data or tokenizer was bad: no empty run directory stays
+
+    def setup(self, world: World, phases: Phases, mesh: jax.sharding.Mesh, derived: Derived) -> Run:
+        """Everything before the first step: data, state and steps, the run directory, a checkpoint to resume."""
+        cfg, t, is_main = self.cfg, self.cfg.train, jax.process_index() == 0
+        cache = use_compilation_cache(cache_root(cfg.data) / "xla") if t.compile_cache else None
+        with phases("loading data"):
+            data, eval_data = self.load_data(parallel.process_rows(t.batch_size, mesh))
+        with phases(self.model_phase):
+            model = self.make_model()
+        with phases("building the model and compiling"):
+            steps = build_steps(model, self.loss_fn, self.optimizer, mesh, cfg, self.schedule, self.comm_hook)
+            n_params = sum(x.size for x in jax.tree.leaves(steps.state.params))
+        with phases("looking for checkpoints"):
+            run_dir = RunDir(t.run_dir)
+            ckpts, resumed_from, state = self.restore(run_dir, steps, data)
+            start = resumed_from or 0
+            lost = lost_steps(run_dir.metrics, start) if resumed_from is not None else 0
+            missing = missing_records(run_dir, cfg, start) if is_main and resumed_from is not None else []
+            if is_main and (moved := supersede(run_dir.metrics, start)):
+                print(
+                    f"jdp | {moved} metrics records after step {start} (work lost since that checkpoint) moved to "
+                    f"{run_dir.superseded_metrics.name}"
+                )
+        peak, peak_source = peak_flops(cfg.model.dtype, derived.n_devices)
+        if is_main:
+            lines = banner(cfg, world, derived, self.describe_model(n_params, peak, peak_source), data, run_dir,
+                           resumed_from, cache)  # fmt: skip
+            print(lines)
+            self.announce(resumed_from)
+            save_config(cfg, run_dir.path)
+        log = MetricsLog(run_dir.metrics, enabled=is_main, tensorboard=t.tensorboard, wandb_project=t.wandb_project,
+                         config=cfg.to_dict(), resume_step=resumed_from, missing_steps=missing)  # fmt: skip
+        meter = StepMeter(cfg, derived.tokens_per_step, peak, data.epoch, self.flops_per_unit())
+        record = steps.recorder(cfg)
+        callbacks = [ReplicaCheck(t.check_replicas_every)]
+        if eval_data is not None:
+            callbacks.append(Evaluate(t.eval_every or t.steps))
+        callbacks += [*self.callbacks, Checkpoint(t.ckpt_every)]
+        return Run(
+            cfg, mesh, data, eval_data, steps.graphdef, state, steps.train_step, steps.eval_step,
+            parallel.make_replica_digest(mesh), run_dir, ckpts, record, start, resumed_from, lost, log, meter, phases,
+            Faults(), callbacks, self.unit, self.handle_signals,
+        )  # fmt: skip
+
+    def restore(self, run_dir: RunDir, steps: Steps, data) -> tuple[Checkpoints, int | None, Any]:
+        """The run's checkpoints, the step resumed from and the state to start from: the newest checkpoint that
+        restores (laid out for today's strategy and devices), or None and the fresh state."""
+        cfg, t, is_main = self.cfg, self.cfg.train, jax.process_index() == 0
+        if not t.resume and is_main and (archived := run_dir.archive()):
+            print(f"jdp | train.resume=false: the previous run's files are now in {archived}")
+        multihost_utils.sync_global_devices("jdp: run directory ready")
+        ckpts = Checkpoints(run_dir.path, t.ckpt_keep)
+        if not t.resume or not (restored := ckpts.restore_latest(steps.state, lambda r: check_resumable(r, cfg),
+                                                                  steps.target)):  # fmt: skip
+            return ckpts, None, steps.state
+        start, state, record = restored
+        state = steps.after_restore(state, record, is_main)
+        if cfg.data.streaming:
+            data.train.load_state_dict(stream_position(run_dir, start))
+        return ckpts, start, state
+
+
+@dataclasses.dataclass
+class Steps:
+    """A model's state laid out for the strategy, its compiled steps, and what its checkpoints hold of them."""
+
+    graphdef: Any
+    state: parallel.TrainState
+    train_step: Callable
+    eval_step: Callable
+    optimizer: optax.GradientTransformation
+    mesh: jax.sharding.Mesh
+    strategy: str
+    comm_hook: CommHook | None
+
+    @property
+    def layout(self) -> parallel.OptLayout:
+        return parallel.OptLayout.of(self.strategy, self.mesh)
+
+    @property
+    def comm(self) -> dict | None:
+        return parallel.comm_record(self.comm_hook, self.state)
+
+    def target(self, record: dict):
+        """What to restore a checkpoint into: its optimizer state may be laid out for another strategy or device
+        count; the hook's saved state is read only into the same hook on as many devices (else it starts afresh)."""
+        like = parallel.restore_target(self.state, self.optimizer, self.mesh, self.strategy,
+                                       self.layout.of_record(record))  # fmt: skip
+        return like if record.get("comm") == self.comm else dataclasses.replace(like, comm=None)
+
+    def after_restore(self, state, record: dict, is_main: bool):
+        """A restored state laid out for today's strategy, saying what moved."""
+        if (saved := self.layout.of_record(record)) != self.layout:
+            state = parallel.relayout(state, self.optimizer, self.mesh, self.strategy)
+            if is_main:
+                print(f"jdp | optimizer state moved from {saved.describe()} to {self.layout.describe()}")
+        if record.get("comm") != self.comm and is_main and (record.get("comm") or self.comm):
+            print(f"jdp | {comm_change(record.get('comm'), self.comm)}")
+        return state
+
+    def recorder(self, cfg: Config) -> Callable[[int], dict]:
+        layout, comm = self.layout.to_record(), self.comm
+        return lambda step: make_record(cfg, step, layout, comm)
+
+
+def apply_xla_options(cfg: Config) -> None:
+    """jdp's XLA options (the gradient buckets' collective flags) and host allocator settings, as `jdp train` sets
+    them, if JAX has not started yet; if it has, a warning names the options that could not be applied."""
+    from jax._src import xla_bridge  # private, but the only way to ask whether a backend exists (jax 0.10-0.12)
+
+    p = cfg.parallel
+    if not xla_bridge.backends_are_initialized():
+        set_xla_flags(p.bucket_mb, strategy=p.strategy)
+        keep_scratch_memory()
+    elif missing := set_xla_flags(p.bucket_mb, environ=dict(os.environ), strategy=p.strategy):
+        print(
+            f"jdp: warning: JAX started before the trainer was made, so jdp's XLA options ({' '.join(missing)}) are "
+            f"not applied: make the Trainer (or call jdp.world.set_xla_flags()) before anything touches a device",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def build_steps(model, loss_fn, optimizer, mesh, cfg: Config, schedule=None, comm_hook=None) -> Steps:
+    """The model's state on `mesh` as parallel.strategy keeps it, the jitted train step, and an eval step that
+    runs the model in evaluation mode (`model.eval()`: dropout off, BatchNorm's running statistics)."""
+    p = cfg.parallel
+    model.eval()
+    eval_graphdef = nnx.graphdef(model)
+    model.train()
+    graphdef, state = parallel.init_state(model, optimizer, mesh, p.strategy, comm_hook)
+    train_step = parallel.make_train_step(
+        graphdef, loss_fn, optimizer, mesh, cfg.train.grad_accum, schedule,
+        strategy=p.strategy, bucket_mb=p.bucket_mb, reduce_dtype=p.reduce_dtype, comm_hook=comm_hook,
+    )  # fmt: skip
+    eval_step = parallel.make_eval_step(eval_graphdef, loss_fn, mesh)
+    return Steps(graphdef, state, train_step, eval_step, optimizer, mesh, p.strategy, comm_hook)
+
+
+def _loader(data, rows: slice, cfg: Config, collate, train: bool):
+    """A loader of `data` for this process's rows: itself, what a function makes of the rows, or jdp's Dataset."""
+    if data is None or hasattr(data, "local_batch") or hasattr(data, "eval_batches"):
+        return data
+    if callable(data) and not hasattr(data, "__getitem__"):
+        return data(rows)
+    from jdp.dataset import Loader
+
+    return Loader(data, cfg.train.batch_size, seed=cfg.train.seed, collate=collate, rows=rows, train=train)
+
+
+def hold(lock: RunLock, run_dir: RunDir, cfg: Config) -> int | None:
+    """Process 0 takes the run directory's lock for the whole job (refusing a path jdp must not write into) and
+    looks whether the run is already complete; every process learns the outcome. Returns the complete run's step."""
+    problem, complete = "", -1
+    if jax.process_index() == 0:
+        try:
+            problem = run_dir.unusable() or ""
+            if not problem and (dead := lock.acquire()):
+                whose = f"process {dead['pid']} on {dead['host']}, started {dead['started']}"
+                if dead.get("damaged"):  # cut off by a crash or a full disk while its job created it
+                    whose = f"its lock was cut off while written, at {dead['started']}"
+                print(
+                    f"jdp: warning: took over {lock.path} from a job that is gone ({whose})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            complete = -1 if problem else completed_step(run_dir, cfg)
+        except RunDirInUse as e:
+            problem = str(e)
+        except OSError as e:  # cannot create the directory or the lock: read-only, no permission, a file on the way
+            why = e.strerror or type(e).__name__
+            problem = (
+                f"train.run_dir={run_dir.path} cannot be written: {why} ({e.filename or run_dir.path}); give a "
+                f"train.run_dir on a writable file system"
+            )
+    if jax.process_count() > 1:
+        flag, complete = multihost_utils.broadcast_one_to_all(np.array([bool(problem), complete], np.int32))
+        if flag and not problem:
+            problem = f"{run_dir.path} cannot be used by this job (process 0 names why)"
+    if problem:
+        raise ConfigError(problem)
+    return None if complete < 0 else int(complete)
+
+
+def completed_step(run_dir: RunDir, cfg: Config) -> int:
+    """The step a finished run ended at, if re-running `cfg` has nothing to do (a scheduler's retry, a repeated
+    command); else -1. Finished: its summary says it ended (not preempted) at its newest checkpoint, at or past
+    train.steps, and its config.yaml differs from `cfg` in nothing that would change the computation (a changed one
+    goes on to setup, whose restore names the difference)."""
+    steps = run_dir.checkpoint_steps()
+    if not cfg.train.resume or not steps or steps[-1] < cfg.train.steps:
+        return -1
+    try:
+        summary = json.loads(run_dir.summary.read_text())
+        saved = yaml.safe_load(run_dir.config.read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return -1
+    if not isinstance(summary, dict) or summary.get("steps") != steps[-1] or summary.get("preempted"):
+        return -1
+    if not isinstance(saved, dict) or config_differences(saved, json.loads(json.dumps(cfg.to_dict()))):
+        return -1
+    return steps[-1]
+
+
+def already_complete(run_dir: RunDir, step: int) -> dict:
+    """What fit() returns for a run with nothing left to do: its summary, untouched on disk."""
+    if jax.process_index() == 0:
+        print(
+            f"jdp: run already complete at step {step} ({run_dir.path}); nothing was changed. Raise train.steps to "
+            f"train further, or set train.resume=false to start over",
+            flush=True,
+        )
+    try:
+        summary = json.loads(run_dir.summary.read_text())
+    except (OSError, ValueError):
+        summary = {}
+    return {"already_complete": step, "loss": summary.get("loss"), "eval_loss": summary.get("eval_loss"),
+            "params_sha256": summary.get("params_sha256")}  # fmt: skip
+
+
+def missing_records(run_dir: RunDir, cfg: Config, start: int) -> list[int]:
+    """The logged steps up to `start` whose records metrics.jsonl lost (deleted, cut), with a warning naming
+    them. The cadence is the one the earlier run logged with (its config.yaml, not yet overwritten), else `cfg`'s."""
+    try:
+        saved = yaml.safe_load(run_dir.config.read_text())
+        t, evals = saved["train"], int(saved["data"]["val_tokens"]) > 0
+        log_every, eval_every = int(t["log_every"]), int(t["eval_every"]) if evals else 0
+    except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError):
+        log_every, eval_every = cfg.train.log_every, cfg.train.eval_every if cfg.data.val_tokens > 0 else 0
+    if missing := missing_steps(run_dir.metrics, start, log_every, eval_every):
+        steps = step_ranges(missing, log_every, eval_every)
+        print(
+            f"jdp: warning: {run_dir.metrics.name} has no records for steps {steps} ({len(missing)} logged steps up "
+            f"to the checkpoint at step {start}; deleted or cut off?). The run goes on; their history is gone from "
+            f"metrics.jsonl and `jdp plot` (TensorBoard may still hold them), and summary.json counts them as "
+            f"missing_metrics_steps",
+            file=sys.stderr,
+            flush=True,
+        )
+    return missing
+
+
+def stream_position(run_dir: RunDir, step: int) -> dict:
+    """This process's stream position saved beside the checkpoint at `step`; an unreadable one is named."""
+    path = run_dir.data_state(step, jax.process_index())
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"{path}: the stream position saved with the checkpoint at step {step} cannot be read ({e}); a "
+            f"streaming run resumes only with it. Move {run_dir.checkpoints / str(step)} aside to resume from the "
+            f"checkpoint before it, or set train.resume=false to start over"
+        ) from None
+
+
+def comm_change(saved: dict | None, now: dict | None) -> str:
+    """What a resume does with the communication hook's state when the checkpoint's is not today's."""
+    if now is None:
+        return f"the checkpoint's {saved['hook']} state is not used (parallel.compression=none)"
+    if saved is None:
+        return f"{now['hook']} starts with fresh state (the checkpoint has none)"
+    return (
+        f"{now['hook']} starts with fresh state: the checkpoint's was saved for {saved['hook']} on "
+        f"{saved['devices']} devices (rank {saved.get('rank')}), this run is {now['hook']} on {now['devices']} "
+        f"(rank {now.get('rank')}); PowerSGD's error feedback restarts from zero"
+    )
+
+
+def banner(cfg: Config, world: World, derived, model_line: str, data, run_dir, resumed_from, cache) -> str:
+    """The derived numbers, printed once at start."""
+    par, t = cfg.parallel, cfg.train
+    epochs = "" if cfg.data.streaming else f" | {t.steps} steps = {data.epoch(t.steps):.3f} epochs"
+    where = "starting at step 0" if resumed_from is None else f"resuming from the checkpoint at step {resumed_from}"
+    return "\n".join(
+        [
+            f"jdp | {world.describe()} | {jax.devices()[0].device_kind} x {derived.n_devices}, "
+            f"{jax.local_device_count()} local | jax {jax.__version__}",
+            f"jdp | {model_line}",
+            f"jdp | {derived.describe()}",
+            f"jdp | parallel.strategy={par.strategy} bucket_mb={par.bucket_mb:g} reduce_dtype={par.reduce_dtype}"
+            f"{compression(par)} | "
+            f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
+            f"jdp | data {data.describe()}{epochs}",
+            f"jdp | run dir {run_dir.path} | {where} | compile cache {cache or 'off (train.compile_cache=false)'}",
+        ]
+    )
+
+
+def compression(par) -> str:
+    if par.compression == "none":
+        return ""
+    feedback = "with" if par.powersgd_error_feedback else "without"
+    return (
+        f" compression=powersgd (rank {par.powersgd_rank}, {feedback} error feedback, plain all-reduce for the first "
+        f"{par.powersgd_warmup} steps)"
+    )
+
+
+def finish(run: Run, world: World, derived: Derived, r: Result) -> dict:
+    """summary.json and the closing line; returns the last metrics, with the final state."""
+    summary = {
+        "steps": r.done,
+        "preempted": r.preempted,
+        "resumed_from": run.resumed_from,
+        "loss": r.last.get("loss"),
+        "eval_loss": r.last.get("eval_loss"),
+        "skipped_total": r.skipped_total,
+        "missing_metrics_steps": len(run.log.missing_steps),  # logged steps whose records metrics.jsonl lost
+        "wall_s": time.time() - run.phases.started,
+        "world": world.describe(),
+        "devices": derived.n_devices,
+        "platform": jax.devices()[0].platform,  # what `jdp plan --calibrate` checks the run against
+        "device_kind": jax.devices()[0].device_kind,
+        "goodput": r.goodput,
+        "params_sha256": params_sha256(r.state.params),
+        "params_fingerprint": fingerprint(r.state.params),
+    }
+    if jax.process_index() == 0:
+        run.run_dir.summary.write_text(json.dumps(summary, indent=1))
+        if not r.preempted:
+            evaluated = f", eval_loss {r.last['eval_loss']:.4f}" if "eval_loss" in r.last else ""
+            print(f"jdp | done: loss {r.last.get('loss', float('nan')):.4f}{evaluated}")
+    return {
+        **r.last,
+        "state": r.state,
+        "graphdef": run.graphdef,
+        "preempted": r.preempted,
+        "skipped_total": r.skipped_total,
+        "params_sha256": summary["params_sha256"],
+    }

@@ -1,0 +1,114 @@
+"""jdp.Trainer for a library user's own model and data: N devices = 1 device, exact resume, callbacks that own
+their cadence, a finished run left alone, and `jdp`'s names unchanged by importing its modules."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jdp
+from jdp import parallel
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(2, 32, rngs=rngs)
+        self.out = nnx.Linear(32, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.gelu(self.hidden(x)))[:, 0]
+
+
+def mse(model, batch):
+    err = model(batch["x"]) - batch["y"]
+    return jnp.sum(err * err), jnp.float32(err.shape[0])
+
+
+def data(n: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(-1, 1, (n, 2)).astype(np.float32)
+    return {"x": x, "y": (np.sin(3 * x[:, 0]) + x[:, 1] ** 2).astype(np.float32)}
+
+
+def config(run_dir, *extra):
+    return jdp.load_config(None, [f"train.run_dir={run_dir}", "train.steps=12", "train.batch_size=16",
+                                  "train.log_every=4", "train.eval_every=6", "train.ckpt_every=4",
+                                  "train.progress=false", "train.tensorboard=false", *extra])  # fmt: skip
+
+
+def fit(run_dir, devices=None, callbacks=(), *extra):
+    mesh = parallel.make_mesh(devices) if devices is not None else None
+    trainer = jdp.Trainer(lambda: MLP(nnx.Rngs(0)), mse, optax.adam(1e-2), data(256, 0), config(run_dir, *extra),
+                          eval_data=data(40, 1), callbacks=callbacks, mesh=mesh)  # fmt: skip
+    return trainer.fit()
+
+
+def records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_four_devices_train_like_one_and_the_run_dir_is_jdp_trains(tmp_path):
+    one = fit(tmp_path / "one", jax.devices()[:1])
+    four = fit(tmp_path / "four")
+    assert four["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    assert four["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
+    for a, b in zip(jax.tree.leaves(one["state"].params), jax.tree.leaves(four["state"].params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
+    summary = json.loads((tmp_path / "four" / "summary.json").read_text())
+    assert summary["steps"] == 12 and summary["devices"] == 4 and summary["params_sha256"] == four["params_sha256"]
+    logged = records(tmp_path / "four")
+    assert [r["step"] for r in logged if "loss" in r] == [4, 8, 12]
+    # every eval row counted once: 40 rows, not the 48 of three padded batches of 16
+    assert [(r["step"], r["eval_examples"]) for r in logged if "eval_loss" in r] == [(6, 40.0), (12, 40.0)]
+    assert sorted(int(p.name) for p in (tmp_path / "four" / "checkpoints").iterdir()) == [4, 8, 12]
+
+
+def test_a_run_stopped_and_resumed_ends_with_the_same_parameters(tmp_path):
+    whole = fit(tmp_path / "whole")
+    first = fit(tmp_path / "split", None, (), "train.steps=6")  # stops at 6 (checkpoint 4 and 6)
+    assert first["loss"] is not None
+    resumed = fit(tmp_path / "split")
+    assert resumed["params_sha256"] == whole["params_sha256"]
+    again = fit(tmp_path / "split")  # finished: nothing to do, nothing changed
+    assert again["already_complete"] == 12 and again["params_sha256"] == whole["params_sha256"]
+
+
+def test_callbacks_own_their_cadence_and_see_the_state(tmp_path):
+    seen = []
+
+    def note(info: jdp.StepInfo):
+        seen.append((info.step, float(jnp.sum(info.model.out.bias[...])), info.is_main))
+
+    fit(tmp_path / "run", None, [jdp.every(5, note, at_end=True)])
+    assert [s for s, _, _ in seen] == [5, 10, 12]
+    assert len({b for _, b, _ in seen}) == 3  # the model the callback sees is the trained one at each step
+
+
+def test_bad_input_is_refused_before_anything_runs(tmp_path):
+    with pytest.raises(jdp.ConfigError, match="train.run_dir is empty"):
+        jdp.Trainer(MLP(nnx.Rngs(0)), mse, optax.adam(1e-2), data(64, 0), jdp.Config())
+    with pytest.raises(jdp.ConfigError, match="train.batch_size=18 is not divisible by devices"):
+        fit(tmp_path / "bad", None, (), "train.batch_size=18")
+    assert not (tmp_path / "bad").exists()
+
+
+def test_every_exported_name_is_the_same_object_after_importing_every_module():
+    code = """
+import importlib, pkgutil
+import jdp
+before = {name: getattr(jdp, name) for name in jdp.__all__}
+for m in pkgutil.iter_modules(jdp.__path__):
+    importlib.import_module(f"jdp.{m.name}")
+changed = [name for name in jdp.__all__ if getattr(jdp, name) is not before[name]]
+assert not changed, f"importing jdp's modules changed jdp.{changed}"
+assert callable(jdp.train) and jdp.train.__module__ == "jdp.lm"
+print("ok", len(before))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-2000:]
