@@ -42,6 +42,7 @@ _EXPORTS = {
     "every": "jdp.callbacks",
     "StepInfo": "jdp.callbacks",
     "Loader": "jdp.dataset",
+    "RowDropout": "jdp.nn",
 }
 __all__ = [
     "AXIS",
@@ -49,6 +50,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "Loader",
+    "RowDropout",
     "RunError",
     "StepInfo",
     "Trainer",
@@ -88,6 +90,7 @@ if TYPE_CHECKING:
     from jdp.config import Config, ConfigError, load_config
     from jdp.lm import train
     from jdp.model import GPT, lm_loss
+    from jdp.nn import RowDropout
     from jdp.optim import make_optimizer
     from jdp.parallel import (
         AXIS,

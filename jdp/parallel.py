@@ -25,6 +25,7 @@ from jdp.buckets import Bucket, bucket_plan
 from jdp.config import ConfigError
 from jdp.guards import RefusingDonated, check_batch, check_rows, checked_loss, checking_rows
 from jdp.hooks import CommHook, GradBucket, Mean, varying
+from jdp.nn import RowIds, RowKey
 
 # Where the README of earlier versions told library users to find them; they live in world.py now.
 from jdp.world import keep_scratch_memory, set_xla_flags  # noqa: F401
@@ -83,7 +84,7 @@ class TrainState:
     step: jax.Array
     params: nnx.State  # the model's nnx.Param variables
     opt_state: optax.OptState
-    rest: nnx.State  # any other model variables, carried unchanged
+    rest: nnx.State  # every other model variable (BatchNorm statistics, rng keys): updated by the step (_local_sums)
     comm: Any = None  # the hook's per-parameter states, {leaf index: state}; None when it keeps none (the mean)
 
 
@@ -277,42 +278,125 @@ def _varying(tree):
     return varying(tree, AXIS)
 
 
+# Variables the step sets for each forward and puts back afterwards, so that they stay replicated and a resumed
+# run draws the same numbers: nnx's rng streams (key and count) and RowDropout's key and rows (nn.py).
+_SEEDED = (nnx.RngKey, nnx.RngCount, RowKey, RowIds)
+
+
+def _map_variables(fn, *trees):
+    return jax.tree.map(fn, *trees, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _seeded(rest, step, micro, rows):
+    """`rest` as one forward sees it. Every nnx rng stream's key becomes fold_in(key, step, device[, micro]):
+    a fresh stream for each step, device and micro-batch (the same mask on every replica would be N copies of
+    one batch's dropout), a pure function of the seed and the step, so a resumed run draws the same masks.
+    RowDropout's key gets the step only, and its rows the global rows of this forward (nn.py)."""
+    device = jax.lax.axis_index(AXIS)
+
+    def seed(v):
+        if isinstance(v, nnx.RngKey):
+            key = jax.random.fold_in(jax.random.fold_in(v[...], step), device)
+            return v.replace(key if micro is None else jax.random.fold_in(key, micro))
+        if isinstance(v, RowKey):
+            return v.replace(jax.random.fold_in(v[...], step))
+        if isinstance(v, RowIds):
+            return v.replace(rows.astype(jnp.int32))
+        return v
+
+    return _map_variables(seed, rest)
+
+
+def _unseeded(new, old):
+    """The variables a forward left, with the seeded ones put back as they were (counts included)."""
+    return _map_variables(lambda n, o: o if isinstance(o, _SEEDED) else n, new, old)
+
+
+def _per_device(tree):
+    """`tree` typed as differing between devices, whether it was or not (a scan's carry needs one type)."""
+    differs = _varying(jnp.bool_(True))
+    return jax.tree.map(lambda x: jax.lax.select(differs, x, x), tree)
+
+
+def _replicated(new, old):
+    """The variables after a step, identical on every device: floating-point ones (BatchNorm's running mean and
+    variance) are *averaged* over `data` (not DDP's broadcast_buffers, which copies rank 0's buffers and drops
+    the others' batches); integer ones and keys are the same on every device already (the seeded ones are put
+    back; others are computed alike), and pmax only re-types them as replicated."""
+
+    def one(n, o):
+        if isinstance(o, _SEEDED):
+            return o
+        x = _per_device(n[...] if isinstance(n, nnx.Variable) else n)
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            x = jax.lax.pmean(x, AXIS)
+        elif jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.wrap_key_data(jax.lax.pmax(jax.random.key_data(x), AXIS), impl=jax.random.key_impl(x))
+        else:
+            x = jax.lax.pmax(x.astype(jnp.int32) if x.dtype == jnp.bool_ else x, AXIS).astype(x.dtype)
+        return n.replace(x) if isinstance(n, nnx.Variable) else x
+
+    return _map_variables(one, new, old)
+
+
+def _keep_if(ok, new, old):
+    """new where ok (the update was applied), else old: a skipped step leaves every variable as it was."""
+    return jax.tree.map(lambda n, o: jax.lax.select(ok, n, o), new, old)
+
+
 def _local_sums(graphdef, loss_fn: LossFn, grad_accum: int):
-    """This device's (grad of loss sum, loss sum, weight sum) over its rows, in grad_accum micro-batches."""
+    """Per device: (params, rest, rows, step) -> (grad of loss sum, loss sum, weight sum, new rest) over its rows,
+    in grad_accum micro-batches. Every forward updates the model's other variables (BatchNorm's running
+    statistics), the micro-batches one after the other, as PyTorch's would; the new rest is replicated."""
     if not isinstance(grad_accum, int | np.integer) or grad_accum < 1:
         raise ConfigError(f"grad_accum={grad_accum!r} must be a whole number of micro-batches per step, 1 or more")
     loss_fn = checked_loss(loss_fn)
 
     def loss_of(params, rest, micro):
-        return loss_fn(nnx.merge(graphdef, params, rest), micro)
+        # New variables, made in this trace (copy=True): the forward may write them (BatchNorm's statistics, the
+        # rng counts), and NNX refuses writes to variables that come from an outer trace.
+        model = nnx.merge(graphdef, params, rest, copy=True)
+        loss, weight = loss_fn(model, micro)
+        return loss, (weight, nnx.split(model, nnx.Param, ...)[2])
 
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
 
-    def sums(params, rest, batch):
+    def sums(params, rest, batch, step):
         # Differentiate with respect to a per-device ("varying") view of the replicated parameters.
         # Differentiating the replicated value itself would make shard_map's autodiff insert a psum,
         # silently giving the *sum* over devices: the classic N-times-too-large gradient.
         params = _varying(params)
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        first = jax.lax.axis_index(AXIS) * rows  # this device's first row in the global batch
         if grad_accum == 1:
             # No loop: the gradients leave backward one layer at a time, so each bucket's all-reduce can start
             # while earlier layers are still being differentiated.
-            (loss, weight), grads = grad_fn(params, rest, batch)
-            return grads, loss, weight
-        micro = jax.tree.map(lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
+            seeded = _seeded(rest, step, None, first + jnp.arange(rows))
+            (loss, (weight, new)), grads = grad_fn(params, seeded, batch)
+            return grads, loss, weight, _replicated(_unseeded(new, rest), rest)
+        # Micro-batch m holds rows m, m + grad_accum, m + 2 grad_accum, ... of each device: over the devices,
+        # the global rows congruent to m, whatever the device count, so batch statistics (SyncBatchNorm) and
+        # RowDropout's masks are those of one device running the same global batch.
+        micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1),
+                             batch)  # fmt: skip
+        strided = grad_accum * jnp.arange(rows // grad_accum)
 
-        def one(carry, mb):
-            (loss, weight), grads = grad_fn(params, rest, mb)
-            g_acc, l_acc, w_acc = carry
-            return (jax.tree.map(jnp.add, g_acc, grads), l_acc + loss, w_acc + weight), None
+        def one(carry, xs):
+            mb, m = xs
+            g_acc, l_acc, w_acc, state = carry
+            (loss, (weight, new)), grads = grad_fn(params, _seeded(state, step, m, first + m + strided), mb)
+            new = _per_device(_unseeded(new, state))
+            return (jax.tree.map(jnp.add, g_acc, grads), l_acc + loss, w_acc + weight, new), None
 
         zero = (
             jax.tree.map(jnp.zeros_like, params),
             _varying(jnp.zeros((), jnp.float32)),
             _varying(jnp.zeros((), jnp.float32)),
+            _per_device(rest),
         )
         # Micro-batches accumulate locally: no collective inside the loop (DDP's no_sync).
-        (grads, loss, weight), _ = jax.lax.scan(one, zero, micro)
-        return grads, loss, weight
+        (grads, loss, weight, new), _ = jax.lax.scan(one, zero, (micro, jnp.arange(grad_accum)))
+        return grads, loss, weight, _replicated(new, rest)
 
     return sums
 
@@ -338,14 +422,14 @@ def _global_grads(
     graphdef, loss_fn: LossFn, n_devices: int, grad_accum: int, bucket_mb: float, reduce_dtype: str,
     hook: CommHook | None = None,
 ):  # fmt: skip
-    """Per-device function: (params, rest, local rows[, hook states, step]) -> (gradient of the global mean loss,
-    loss, weight[, new hook states])."""
+    """Per-device function: (params, rest, local rows, step[, hook states]) -> (gradient of the global mean loss,
+    loss, weight, new rest[, new hook states])."""
     local_sums = _local_sums(graphdef, loss_fn, grad_accum)
     stateful = hook is not None
     hook = hook or Mean(reduce_dtype)
 
-    def grads_of(params, rest, batch, comm=None, step=None):
-        grads_sum, loss_sum, weight_sum = local_sums(params, rest, batch)
+    def grads_of(params, rest, batch, step, comm=None):
+        grads_sum, loss_sum, weight_sum, new_rest = local_sums(params, rest, batch, step)
         micro = {k: jax.ShapeDtypeStruct((v.shape[0] // grad_accum, *v.shape[1:]), v.dtype) for k, v in batch.items()}
         buckets = bucket_plan(graphdef, loss_fn, params, rest, micro, bucket_mb, reduce_dtype)
         # Loss and token count travel together in one small all-reduce.
@@ -358,21 +442,23 @@ def _global_grads(
         scale = jnp.where(weight > 0, n_devices / weight, 0.0)
         averaged, comm = _reduce_buckets(grads_sum, buckets, hook, comm, step, n_devices)
         grads = jax.tree.map(lambda g: g * scale, averaged)
-        return (grads, loss, weight, comm) if stateful else (grads, loss, weight)
+        return (grads, loss, weight, new_rest, comm) if stateful else (grads, loss, weight, new_rest)
 
     return grads_of
 
 
-def _update(optimizer, schedule, state: TrainState, grads, loss, weight, comm=None):
+def _update(optimizer, schedule, state: TrainState, grads, loss, weight, rest, comm=None):
     """The optimizer step on (globally averaged) gradients: new state and metrics. Shared by ddp and dp.
-    comm: the hook's new states, kept only if the update is applied (a skipped step leaves them as they were)."""
+    rest: the model's other variables after the forward; comm: the hook's new states. Both are kept only if the
+    update is applied (a skipped step leaves them as they were, like the parameters)."""
     params, opt_state, metrics = _apply(
         optimizer, schedule, state.step, state.params, state.opt_state, grads, loss, weight
     )
+    ok = metrics["skipped"] == 0
+    rest = _keep_if(ok, rest, state.rest)
     if comm is not None:
-        ok = metrics["skipped"] == 0
         comm = jax.tree.map(lambda new, old: jnp.where(ok, new, old), comm, state.comm)
-    return TrainState(state.step + 1, params, opt_state, state.rest, comm), metrics
+    return TrainState(state.step + 1, params, opt_state, rest, comm), metrics
 
 
 def _apply(optimizer, schedule, step, params, opt_state, grads, loss, weight):
@@ -419,6 +505,10 @@ def make_train_step(
     the optimizer state over the devices (make_zero1_train_step; build the state with init_state(...,
     strategy="zero1")). strategy="dp" is PyTorch DataParallel's master pattern, kept as the baseline to
     measure against (see make_dp_train_step).
+
+    Under every strategy the model's other variables (state.rest) are updated by the forward passes and kept
+    replicated: floating-point ones (BatchNorm's running statistics) averaged over the devices; nnx rng streams
+    (nnx.Dropout) drawn per step and device; RowDropout (nn.py) per step and global row (_local_sums).
     """
     if comm_hook is not None and strategy != "ddp":
         raise ValueError(f"a communication hook reduces ddp's buckets; strategy={strategy!r} has none to hook")
@@ -432,9 +522,9 @@ def make_train_step(
         grads_of = _global_grads(graphdef, loss_fn, mesh.devices.size, grad_accum, bucket_mb, reduce_dtype)
 
         def step(state: TrainState, batch: Batch):
-            grads, loss, weight = grads_of(state.params, state.rest, batch)
+            grads, loss, weight, rest = grads_of(state.params, state.rest, batch, state.step)
             # Every replica applies the identical update to identical parameters: they stay bit-identical.
-            return _update(optimizer, schedule, state, grads, loss, weight)
+            return _update(optimizer, schedule, state, grads, loss, weight, rest)
 
         sharded = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(), P()))
         return RefusingDonated(jax.jit(checking_rows(sharded, mesh.devices.size, grad_accum), donate_argnums=0))
@@ -451,9 +541,9 @@ def make_train_step(
             )
         # Each device sees its own hook states with a leading axis of 1.
         mine = jax.tree.map(lambda x: x[0], state.comm)
-        grads, loss, weight, comm = grads_of(state.params, state.rest, batch, mine, state.step)
+        grads, loss, weight, rest, comm = grads_of(state.params, state.rest, batch, state.step, mine)
         mine = dataclasses.replace(state, comm=mine)
-        new, metrics = _update(optimizer, schedule, mine, grads, loss, weight, comm)
+        new, metrics = _update(optimizer, schedule, mine, grads, loss, weight, rest, comm)
         return dataclasses.replace(new, comm=jax.tree.map(lambda x: x[None], new.comm)), metrics
 
     spec = TrainState(P(), P(), P(), P(), P(AXIS))
@@ -541,21 +631,25 @@ def make_zero1_train_step(
                 "the optimizer state is not laid out for zero1 on this mesh: build it with "
                 "init_state(model, optimizer, mesh, strategy='zero1') (or move it with relayout)"
             )
-        buckets = bucket_plan(graphdef, loss_fn, state.params, state.rest, _micro_spec(batch, n, grad_accum),
-                              bucket_mb, reduce_dtype)  # fmt: skip
+        planned = []  # the buckets, planned per device: the loss may use the `data` axis (SyncBatchNorm)
 
-        def grads_of(params, rest, batch):
-            grads_sum, loss_sum, weight_sum = local_sums(params, rest, batch)
+        def grads_of(params, rest, step, batch):
+            micro = _micro_spec(batch, 1, grad_accum)
+            planned.append(buckets := bucket_plan(graphdef, loss_fn, params, rest, micro, bucket_mb, reduce_dtype))
+            grads_sum, loss_sum, weight_sum, new_rest = local_sums(params, rest, batch, step)
             loss_total, weight = jax.lax.psum(jnp.stack([loss_sum, weight_sum]), AXIS)
             # The reduce-scatter sums over devices; dividing by the global token weight gives exactly the
             # gradient of the global token-weighted mean loss, as ddp's pmean times n / weight does.
             scale = jnp.where(weight > 0, 1.0 / weight, 0.0)
             mine = jax.tree.map(lambda g: g * scale, _scatter_buckets(grads_sum, buckets, reduce_dtype, n))
-            return mine, loss_total / weight, weight
+            return mine, loss_total / weight, weight, new_rest
 
         specs = jax.tree.map(lambda x: split_spec(max(x.ndim, 1)), state.params)
-        scatter = jax.shard_map(grads_of, mesh=mesh, in_specs=(P(), P(), P(AXIS)), out_specs=(specs, P(), P()))
-        grads, loss, weight = scatter(state.params, state.rest, batch)
+        scatter = jax.shard_map(
+            grads_of, mesh=mesh, in_specs=(P(), P(), P(), P(AXIS)), out_specs=(specs, P(), P(), P())
+        )
+        grads, loss, weight, rest = scatter(state.params, state.rest, state.step, batch)
+        buckets = planned[-1]
         split = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
         params = jax.lax.with_sharding_constraint(layout.view(state.params), split)  # each device's own slice
         params, opt_state, metrics = _apply(
@@ -567,7 +661,8 @@ def make_zero1_train_step(
             lambda p: _gather_buckets(p, state.params, buckets, n),
             mesh=mesh, in_specs=(specs,), out_specs=P(), check_vma=False,
         )  # fmt: skip
-        return TrainState(state.step + 1, gather(params), opt_state, state.rest), metrics
+        rest = _keep_if(metrics["skipped"] == 0, rest, state.rest)
+        return TrainState(state.step + 1, gather(params), opt_state, rest), metrics
 
     return RefusingDonated(jax.jit(step, donate_argnums=0))
 
@@ -594,25 +689,27 @@ def make_dp_train_step(
     local_sums = _local_sums(graphdef, loss_fn, grad_accum)
     master = jax.sharding.SingleDeviceSharding(master_device(mesh))
 
-    def per_device(params, rest, batch):
-        grads, loss, weight = local_sums(params, rest, batch)
-        return jax.tree.map(lambda x: x[None], (grads, loss, weight))  # stacked along `data`, not reduced
+    def per_device(params, rest, step, batch):
+        grads, loss, weight, rest = local_sums(params, rest, batch, step)
+        stacked = jax.tree.map(lambda x: x[None], (grads, loss, weight))  # stacked along `data`, not reduced
+        return stacked, rest  # the model's other variables, already averaged (_replicated)
 
-    local = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P(AXIS)), out_specs=P(AXIS))
+    local = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P(), P(AXIS)), out_specs=(P(AXIS), P()))
     local = jax.jit(checking_rows(local, mesh.devices.size, grad_accum))
 
-    def update(state: TrainState, stacked):
+    def update(state: TrainState, stacked, rest):
         grads, loss, weight = jax.tree.map(lambda x: jnp.sum(x, axis=0), stacked)  # the master sums them
         scale = jnp.where(weight > 0, 1.0 / weight, 0.0)
-        return _update(optimizer, schedule, state, jax.tree.map(lambda g: g * scale, grads), loss / weight, weight)
+        grads = jax.tree.map(lambda g: g * scale, grads)
+        return _update(optimizer, schedule, state, grads, loss / weight, weight, rest)
 
     update = jax.jit(update, donate_argnums=0)
 
     def step(state: TrainState, batch: Batch):
-        stacked = local(state.params, state.rest, batch)
-        gathered = jax.device_put(stacked, master)  # every device's gradients copied to the master
+        stacked, new_rest = local(state.params, state.rest, state.step, batch)
+        gathered = jax.device_put((stacked, new_rest), master)  # every device's gradients copied to the master
         step_, params, rest = jax.device_put((state.step, state.params, state.rest), master)  # its own replica
-        new, metrics = update(TrainState(step_, params, state.opt_state, rest), gathered)
+        new, metrics = update(TrainState(step_, params, state.opt_state, rest), *gathered)
         # Broadcast: the new parameters (and step) go from the master to every device.
         params, step_, rest = jax.device_put((new.params, new.step, new.rest), replicated(mesh))
         return TrainState(step_, params, new.opt_state, rest), metrics
@@ -637,7 +734,7 @@ def make_grad_fn(
     """(state, global batch) -> (averaged gradients, loss, token weight): the train step without the update."""
     grads_of = _global_grads(graphdef, loss_fn, mesh.devices.size, grad_accum, bucket_mb, reduce_dtype)
     sharded = jax.shard_map(
-        lambda state, batch: grads_of(state.params, state.rest, batch),
+        lambda state, batch: grads_of(state.params, state.rest, batch, state.step)[:3],
         mesh=mesh,
         in_specs=(P(), P(AXIS)),
         out_specs=(P(), P(), P()),
@@ -646,11 +743,26 @@ def make_grad_fn(
 
 
 def make_eval_step(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh):
-    """(state, global batch) -> (loss sum, weight sum) over the whole global batch; no update."""
+    """(state, global batch) -> (loss sum, weight sum) over the whole global batch; nothing is updated (the
+    model's other variables neither: BatchNorm statistics stay as trained).
+
+    Evaluation mode is the caller's: pass the graphdef of a model after model.eval() (BatchNorm's running
+    averages, no dropout). A batch with a key "valid" (float, one per row: 1 a real row, 0 padding that fills
+    the last batch up to a multiple of the devices) counts the valid rows only: the loss is computed row by row
+    (each row a batch of one, without "valid") and the rows' sums are weighted by it."""
     loss_fn = checked_loss(loss_fn)
 
     def step(params, rest, batch: Batch):
-        loss, weight = loss_fn(nnx.merge(graphdef, params, rest), batch)
+        if "valid" not in batch:
+            loss, weight = loss_fn(nnx.merge(graphdef, params, rest), batch)
+        else:
+            rows = {k: v for k, v in batch.items() if k != "valid"}
+            # The model is built inside the per-row function, so a layer that writes a variable writes its own copy.
+            one = lambda row: loss_fn(nnx.merge(graphdef, params, rest), jax.tree.map(lambda x: x[None], row))  # noqa: E731
+            losses, weights = jax.vmap(one)(rows)
+            valid = batch["valid"].astype(jnp.float32) > 0
+            loss = jnp.sum(jnp.where(valid, losses, 0.0))  # a padding row's loss, even NaN, never counts
+            weight = jnp.sum(jnp.where(valid, weights, 0.0))
         return jax.lax.psum(loss, AXIS), jax.lax.psum(weight, AXIS)
 
     sharded = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P(AXIS)), out_specs=(P(), P()))
@@ -659,12 +771,23 @@ def make_eval_step(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh):
 
 
 def make_replica_digest(mesh: jax.sharding.Mesh):
-    """state -> one uint32 digest per device of its own copy of the parameters (exact, bit-level)."""
+    """tree -> one uint32 digest per device of its own copy of the tree (exact, bit-level): the parameters, or
+    any replicated pytree ({"params": ..., "rest": ...}): floats by their bits, integers as themselves, keys by
+    their data."""
 
-    def digest(params):
+    def bits_of(leaf):
+        if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        if jnp.issubdtype(leaf.dtype, jnp.floating):  # 16-bit floats widen exactly; 64-bit ones give 2 words
+            return jax.lax.bitcast_convert_type(
+                leaf if leaf.dtype.itemsize == 8 else leaf.astype(jnp.float32), jnp.uint32
+            )
+        return leaf.astype(jnp.uint32)
+
+    def digest(tree):
         total = jnp.zeros((), jnp.uint32)
-        for leaf in jax.tree.leaves(params):
-            bits = jax.lax.bitcast_convert_type(leaf.astype(jnp.float32), jnp.uint32).ravel()
+        for leaf in jax.tree.leaves(tree):
+            bits = bits_of(leaf).ravel()
             weights = jnp.arange(1, bits.size + 1, dtype=jnp.uint32)  # position matters, not just the multiset
             total = total * jnp.uint32(31) + jnp.sum(bits * weights, dtype=jnp.uint32)
         return total[None]
@@ -673,11 +796,12 @@ def make_replica_digest(mesh: jax.sharding.Mesh):
     return jax.jit(jax.shard_map(digest, mesh=mesh, in_specs=P(), out_specs=P(AXIS), check_vma=False))
 
 
-def replica_digest_mismatches(digest_fn, params, mesh: jax.sharding.Mesh) -> list[str]:
-    """Devices (of every process) whose parameter digest differs from the first device's."""
+def replica_digest_mismatches(digest_fn, tree, mesh: jax.sharding.Mesh) -> list[str]:
+    """Devices (of every process) whose digest of `tree` (the parameters, or any replicated pytree) differs from
+    the first device's."""
     from jax.experimental import multihost_utils
 
-    digests = np.asarray(multihost_utils.process_allgather(digest_fn(params), tiled=True))
+    digests = np.asarray(multihost_utils.process_allgather(digest_fn(tree), tiled=True))
     devices = list(mesh.devices.flat)
     return [f"{devices[i]} (process {devices[i].process_index})" for i in np.flatnonzero(digests != digests[0])]
 
@@ -695,9 +819,12 @@ def nonfinite_leaves(tree) -> list[str]:
 
 
 def replica_mismatches(tree) -> list[str]:
-    """Leaves whose copies on this process's devices are not bit-identical, named with the device."""
+    """Leaves whose copies on this process's devices are not bit-identical, named with the device (keys compared
+    by their data)."""
     problems = []
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
         shards = [(s.device, np.asarray(s.data)) for s in leaf.addressable_shards]
         first_dev, first = shards[0]
         for dev, data in shards[1:]:
