@@ -2,6 +2,10 @@
 
 Library use: build a Flax NNX model and a loss `loss_fn(model, batch) -> (loss_sum, weight_sum)`, then
 
+    jdp.Trainer(lambda: model, loss_fn, optimizer, data, jdp.load_config(None, ["train.run_dir=runs/x"])).fit()
+
+runs jdp train's whole loop for it (docs/library.md); or, for a loop of your own, the bare step:
+
     mesh = jdp.make_mesh()
     graphdef, state = jdp.init_state(model, optimizer, mesh)
     step = jdp.make_train_step(graphdef, loss_fn, optimizer, mesh)
@@ -87,7 +91,9 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from jdp.callbacks import StepInfo, every
     from jdp.config import Config, ConfigError, load_config
+    from jdp.dataset import Loader
     from jdp.lm import train
     from jdp.model import GPT, lm_loss
     from jdp.nn import RowDropout
@@ -103,3 +109,4 @@ if TYPE_CHECKING:
         replica_mismatches,
         shard_batch,
     )
+    from jdp.trainer import RunError, Trainer
