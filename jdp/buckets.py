@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+__all__ = ["Bucket", "bucket_plan", "gradient_order", "plan_buckets"]
+
 
 def gradient_order(loss_of: Callable, params, *args) -> list[int]:
     """Indices of `params`' leaves in the order backward finishes their gradients.

@@ -19,7 +19,23 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from jdp.config import Config, ConfigError
+from jdp.log import logger
 from jdp.rundir import RunDir
+
+__all__ = [
+    "RESUMABLE_CHANGES",
+    "ChecksumMismatch",
+    "Checkpoints",
+    "SaveFailed",
+    "abstract",
+    "check_resumable",
+    "checksums",
+    "config_differences",
+    "make_record",
+    "verify",
+]
+
+log = logger("jdp.checkpoint")
 
 # Config keys a resumed run may change: they do not alter what the next step computes. (train.steps re-targets
 # the learning-rate schedule's cosine decay, which the user asked for by changing it.)
@@ -59,6 +75,8 @@ def abstract(tree):
 @jax.jit
 def _leaf_checksums(tree) -> list[jax.Array]:
     def checksum(x):
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):  # a random key (dropout's): its words
+            x = jax.random.key_data(x)
         if x.dtype.itemsize >= 4:
             words = jax.lax.bitcast_convert_type(x, jnp.uint32)  # a 64-bit value becomes two words
         elif x.dtype.itemsize == 2:
@@ -329,11 +347,9 @@ class Checkpoints:
         return state, record
 
     def _damaged(self, step: int, e: Exception) -> None:
-        print(
-            f"jdp: warning: checkpoint {self.dir / str(step)} cannot be restored ({type(e).__name__}: "
-            f"{str(e)[:300]}); falling back to the previous one",
-            file=sys.stderr,
-            flush=True,
+        log.warning(
+            f"checkpoint {self.dir / str(step)} cannot be restored ({type(e).__name__}: {str(e)[:300]}); falling "
+            f"back to the previous one"
         )
 
     def _set_aside(self, steps: list[int]) -> None:
@@ -345,7 +361,7 @@ class Checkpoints:
             aside.mkdir(exist_ok=True)
             for step in steps:
                 shutil.move(str(self.dir / str(step)), str(aside / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"))
-                print(f"jdp: warning: moved the damaged checkpoint {step} to {aside}", file=sys.stderr, flush=True)
+                log.warning(f"moved the damaged checkpoint {step} to {aside}")
         if steps:
             multihost_utils.sync_global_devices("jdp: damaged checkpoints set aside")
             self.manager.reload()

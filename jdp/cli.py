@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
 
 from jdp.config import ConfigError, split_config_args
 from jdp.hardware import DEFAULT_MFU, GPUS, INTERCONNECTS
+from jdp.log import install, logger
+
+__all__ = ["COMMANDS", "build_parser", "main"]
+
+log = logger("jdp.cli")  # not __name__: `python -m jdp.cli` (how `jdp launch` starts workers) names it __main__
 
 
 def generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +53,9 @@ def _train(args: argparse.Namespace) -> int:
     jobs.watch_launcher()  # a worker of `jdp launch` never outlives it
     config, overrides = split_config_args(args.args)
     cfg = load_config(config, overrides)
-    jobs.set_xla_flags(cfg.parallel.bucket_mb, strategy=cfg.parallel.strategy)  # before JAX first touches a device
+    from jdp import strategies
+
+    strategies.get(cfg.parallel.strategy).set_xla_flags(cfg.parallel.bucket_mb)  # before JAX touches a device
     jobs.keep_scratch_memory()
     try:
         world = jobs.resolve_world(args.coordinator, args.num_processes, args.process_id, args.local_device_ids)
@@ -60,10 +68,10 @@ def _train(args: argparse.Namespace) -> int:
     try:
         train(cfg, world, explicit_keys(overrides))
     except jobs.JoinError as e:  # never joined: there is no job to leave
-        print(f"jdp: error: {e}", file=sys.stderr, flush=True)
+        log.error(str(e))
         return 1
     except (RunError, ConfigError) as e:
-        print(f"jdp: error: {e}", file=sys.stderr, flush=True)
+        log.error(str(e))
         code = 1 if isinstance(e, RunError) else 2
         if world.num_processes > 1:
             leave_job(code)  # not through JAX's shutdown barrier, where peers that are gone would be awaited
@@ -77,13 +85,14 @@ def _allreduce(args: argparse.Namespace) -> int:
         os.environ["XLA_FLAGS"] = (
             os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
         ).strip()
-    from jdp import world
     from jdp.config import load_config
     from jdp.hlo import all_reduce_report, compression_report
 
     config, overrides = split_config_args(args.args)
     cfg = load_config(config, overrides)
-    world.set_xla_flags(cfg.parallel.bucket_mb, strategy=cfg.parallel.strategy)
+    from jdp import strategies
+
+    strategies.get(cfg.parallel.strategy).set_xla_flags(cfg.parallel.bucket_mb)
     text, numbers = (compression_report if cfg.parallel.compression != "none" else all_reduce_report)(cfg)
     print(text)
     if args.json:
@@ -124,12 +133,12 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from jdp.launch import LaunchError, launch
+    from jdp.launch import LaunchError, launch, say
 
     try:
         return launch(args, args.command)
     except LaunchError as e:
-        print(f"jdp launch: error: {e}", file=sys.stderr)
+        say(str(e), logging.ERROR, prefix="jdp launch: error: ")
         return 2
 
 
@@ -257,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
 
     flush_every_line()  # each line reaches a file when printed, even if the process is then killed
     tolerate_broken_pipes()  # output to a reader that is gone is dropped; the command goes on
+    install()  # jdp's records in the command's look: `jdp | ...` on stdout, `jdp: warning: ...` on stderr
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and hasattr(args, "args") and not any(x.startswith("-") for x in extra):
@@ -266,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ConfigError as e:
-        print(f"jdp: error: {e}", file=sys.stderr)
+        log.error(str(e))
         return 2
 
 

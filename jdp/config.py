@@ -13,7 +13,30 @@ from typing import Any
 
 import yaml
 
+from jdp import strategies
 from jdp.rundir import RunDir
+
+__all__ = [
+    "CHOICES",
+    "DEFAULT_CONFIG",
+    "DTYPES",
+    "RANGES",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "Derived",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "TrainConfig",
+    "explicit_keys",
+    "load_config",
+    "resolve_config_path",
+    "save_config",
+    "split_config_args",
+    "valid_keys",
+    "validate",
+]
 
 
 class ConfigError(ValueError):
@@ -304,7 +327,7 @@ CHOICES = {
     "data.encoding_errors": ("strict", "replace", "ignore"),
     "data.text_unit": ("file", "line", "paragraph"),
     "optim.name": ("adamw", "sgd"),
-    "parallel.strategy": ("ddp", "zero1", "dp"),
+    "parallel.strategy": strategies.names(),
     "parallel.reduce_dtype": ("float32", "bfloat16"),
     "parallel.compression": ("none", "powersgd"),
 }
@@ -338,16 +361,8 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Derived:
             f"data.seq_len={d.seq_len} is longer than the model supports (model.max_seq_len={m.max_seq_len}); "
             f"lower data.seq_len or raise model.max_seq_len"
         )
-    if par.strategy == "dp" and n_processes > 1:
-        problems.append(
-            f"parallel.strategy=dp is PyTorch DataParallel's single-process master pattern and cannot span "
-            f"{n_processes} processes; use parallel.strategy=ddp"
-        )
-    if par.compression != "none" and par.strategy != "ddp":
-        problems.append(
-            f"parallel.compression={par.compression} compresses ddp's gradient all-reduces; parallel.strategy="
-            f"{par.strategy} has none (use parallel.strategy=ddp, or parallel.compression=none)"
-        )
+    if par.strategy in strategies.REGISTRY:
+        problems += strategies.get(par.strategy).problems(par, n_processes)
     per_step = n_devices * max(t.grad_accum, 1)
     if t.batch_size > 0 and t.batch_size % per_step:
         lo = max(per_step, t.batch_size // per_step * per_step)

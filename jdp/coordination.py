@@ -15,6 +15,24 @@ from contextlib import contextmanager
 
 import jax
 
+from jdp.log import PLAIN, logger
+
+__all__ = [
+    "DEPARTED",
+    "KeyValueStore",
+    "PeerMonitor",
+    "StopAgreement",
+    "Watchdog",
+    "announce_departure",
+    "first_departure",
+    "key_value_store",
+    "leave_job",
+    "missing_key_value_api",
+    "step_value",
+]
+
+log = logger("jdp.coordination")
+
 
 class KeyValueStore:
     """jax.distributed's key-value store on the coordinator: the one place jdp reaches into JAX's private API.
@@ -69,11 +87,7 @@ def step_value(key: str, text: str) -> int | None:
     value = int(text) if text.isascii() and text.isdigit() and len(text) < 19 else None
     if value is None and key not in _warned:
         _warned.add(key)
-        print(
-            f"jdp: warning: ignoring {key}={text[:40]!r} in the job's key-value store: not a step number",
-            file=sys.stderr,
-            flush=True,
-        )
+        log.warning(f"ignoring {key}={text[:40]!r} in the job's key-value store: not a step number")
     return value
 
 
@@ -144,11 +158,9 @@ class PeerMonitor:
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):
             if (shown := first_departure()) and not self._stop.is_set():
-                print(
-                    f"jdp: error: process {jax.process_index()} of {jax.process_count()}: stopping because {shown}; "
-                    f"not waiting for it",
-                    file=sys.stderr,
-                    flush=True,
+                log.error(
+                    f"process {jax.process_index()} of {jax.process_count()}: stopping because {shown}; not waiting "
+                    f"for it"
                 )
                 os._exit(5)
 
@@ -180,7 +192,7 @@ class StopAgreement:
     def _handler(self, sig, frame) -> None:
         self.signals += 1
         if self.signals > 1:
-            print(f"jdp: second {signal.Signals(sig).name}: exiting now, without saving", file=sys.stderr, flush=True)
+            log.warning(f"second {signal.Signals(sig).name}: exiting now, without saving", extra=PLAIN)
             announce_departure(f"exited at a second {signal.Signals(sig).name}")
             os._exit(128 + sig)
         self._pending = sig
@@ -196,11 +208,10 @@ class StopAgreement:
                     kv.set(self.KEY, str(proposal))
                 except Exception:
                     pass  # another process proposed first; its step is the one everybody reads
-            print(
-                f"jdp: process {jax.process_index()} got {name}: every process will stop at an agreed step and "
-                f"save (send it again to exit at once)",
-                file=sys.stderr,
-                flush=True,
+            log.warning(
+                f"process {jax.process_index()} got {name}: every process will stop at an agreed step and save "
+                f"(send it again to exit at once)",
+                extra=PLAIN,
             )
             if not kv:
                 self.stop_at = proposal
@@ -209,11 +220,9 @@ class StopAgreement:
             if self.stop_at is not None and self.stop_at < done:  # jdp proposes steps nobody has passed yet
                 if "past:" + self.KEY not in _warned:
                     _warned.add("past:" + self.KEY)
-                    print(
-                        f"jdp: warning: ignoring {self.KEY}={self.stop_at} in the job's key-value store: this "
-                        f"process has already done {done} steps, and jdp only proposes steps ahead of every process",
-                        file=sys.stderr,
-                        flush=True,
+                    log.warning(
+                        f"ignoring {self.KEY}={self.stop_at} in the job's key-value store: this process has already "
+                        f"done {done} steps, and jdp only proposes steps ahead of every process"
                     )
                 self.stop_at = None
         return self.stop_at is not None and done >= self.stop_at
@@ -261,12 +270,10 @@ class Watchdog:
                     behind = self._behind()
                 except Exception as e:
                     behind = f"; could not reach the coordinator to ask the others ({type(e).__name__})"
-                print(
-                    f"jdp: error: process {jax.process_index()} of {jax.process_count()}: no step finished for "
+                log.error(
+                    f"process {jax.process_index()} of {jax.process_count()}: no step finished for "
                     f"{self.timeout_s:g} s after step {self.step} (train.step_timeout_s){behind}. A peer is "
-                    f"stalled or dead; exiting instead of waiting forever.",
-                    file=sys.stderr,
-                    flush=True,
+                    f"stalled or dead; exiting instead of waiting forever."
                 )
                 announce_departure(f"gave up: no step finished for {self.timeout_s:g} s after step {self.step}")
                 os._exit(4)

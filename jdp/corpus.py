@@ -17,6 +17,30 @@ from filelock import FileLock
 
 from jdp.config import ConfigError, DataConfig
 
+__all__ = [
+    "BUILDERS",
+    "TEXT_UNITS",
+    "UNIT_NAMES",
+    "VAL_SPLITS",
+    "Corpus",
+    "build_stdlib_corpus",
+    "cache_root",
+    "choose_val_split",
+    "data_files",
+    "decoding_error",
+    "file_identity",
+    "files_by_split",
+    "first_undecodable",
+    "is_saved_dataset",
+    "load_documents",
+    "load_saved",
+    "looks_local",
+    "open_corpus",
+    "open_stream",
+    "resolve_source",
+    "stdlib_files",
+]
+
 BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 # data.text_unit: where datasets' text builder cuts .txt files into documents (its `sample_by`), and the banner's words
 TEXT_UNITS = {"file": "document", "line": "line", "paragraph": "paragraph"}

@@ -20,6 +20,8 @@ from jdp.corpus import open_corpus
 from jdp.dataset import GlobalOrder
 from jdp.tokens import ByteTokenizer, HFTokenizer, Tokens, load_tokenizer, n_windows, tokenize, windows
 
+__all__ = ["Batches", "Data", "Prefetcher", "eval_batches", "load_data"]
+
 
 class Batches:
     """The training batches: global batch `step` is a pure function of (seed, step).

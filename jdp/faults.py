@@ -19,6 +19,8 @@ from collections.abc import Callable, Mapping
 import jax
 import numpy as np
 
+__all__ = ["Faults"]
+
 
 class Faults:
     """The faults the environment asks for. Every method is a no-op unless its variable is set."""

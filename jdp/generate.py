@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import sys
 import time
 from pathlib import Path
 
@@ -18,9 +17,15 @@ from jdp import hf, parallel
 from jdp.build import build
 from jdp.checkpoint import Checkpoints
 from jdp.config import Config, ConfigError, DataConfig, load_config
+from jdp.log import logger
 from jdp.model import GPT
 from jdp.rundir import RunDir, RunDirEscape
 from jdp.tokens import ByteTokenizer, HFTokenizer, load_tokenizer
+
+__all__ = ["Tokenizer", "export", "generate", "load", "load_pretrained", "load_run", "run", "sample_tokens"]
+
+log = logger("jdp.generate")
+_ON_STDERR = {"stderr": True}  # stdout carries the text alone, for a pipe
 
 Tokenizer = ByteTokenizer | HFTokenizer
 
@@ -178,24 +183,22 @@ def generate(
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the prompt and its continuation to stdout; a header and the speed go to stderr."""
+    """Print the prompt and its continuation to stdout (the command's output); a header and the speed are logged
+    to stderr."""
     _check_sampling(args.max_new_tokens, args.temperature, args.top_k)
     cfg, model, tokenizer, step = load(args.run_dir)
     what = "Hugging Face model" if step is None else f"checkpoint at step {step}"
-    print(
-        f"jdp | {args.run_dir}: {what} | temperature {args.temperature:g}, top_k {args.top_k}, seed {args.seed}",
-        file=sys.stderr,
-        flush=True,
-    )
+    log.info(f"{args.run_dir}: {what} | temperature {args.temperature:g}, top_k {args.top_k}, seed {args.seed}",
+             extra=_ON_STDERR)  # fmt: skip
     start = time.perf_counter()
     prompt_ids, new = sample_tokens(
         model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed
     )
     seconds = time.perf_counter() - start
     print(tokenizer.decode(prompt_ids + new), flush=True)
-    print(
-        f"jdp | {len(new)} tokens in {seconds:.1f} s ({len(new) / max(seconds, 1e-9):,.0f} tokens/s, compilation included)",
-        file=sys.stderr,
+    log.info(
+        f"{len(new)} tokens in {seconds:.1f} s ({len(new) / max(seconds, 1e-9):,.0f} tokens/s, compilation included)",
+        extra=_ON_STDERR,
     )
     return 0
 

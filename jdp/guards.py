@@ -13,6 +13,8 @@ import jax
 
 from jdp.config import ConfigError
 
+__all__ = ["Batch", "LossFn", "RefusingDonated", "check_batch", "check_rows", "checked_loss", "checking_rows"]
+
 Batch = dict[str, Any]
 LossFn = Callable[..., tuple[Any, Any]]  # (model, batch) -> (loss_sum, weight_sum)
 

@@ -10,6 +10,19 @@ from dataclasses import dataclass
 
 from jdp.config import ConfigError
 
+__all__ = [
+    "DEFAULT_MFU",
+    "GPUS",
+    "GPU_PEAK_FLOPS",
+    "INTERCONNECTS",
+    "ISA_FLAGS",
+    "Gpu",
+    "Interconnect",
+    "gpu_spec",
+    "host_description",
+    "link_for",
+]
+
 DEFAULT_MFU = 0.5  # what `jdp plan` assumes: a well-tuned dense transformer step reaches 40-60% of the datasheet peak
 
 # Dense (not sparse) peak FLOP/s per device from the vendors' datasheets, by compute dtype. float32 matmuls

@@ -30,6 +30,26 @@ from flax import nnx
 
 from jdp.config import ConfigError, ModelConfig
 
+__all__ = [
+    "CONFIG",
+    "INDEX",
+    "TOKENIZER_FILES",
+    "VOCAB_MULTIPLE",
+    "WEIGHTS",
+    "Adopted",
+    "Architecture",
+    "GPT2",
+    "Imported",
+    "Weights",
+    "adopt",
+    "export",
+    "is_hf_dir",
+    "load_model",
+    "model_config",
+    "model_fields",
+    "read_config",
+]
+
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 # The files a tokenizer saved by `transformers` may consist of; export copies those the run's tokenizer has.
 TOKENIZER_FILES = (

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import jax
 
-from jdp import parallel
+from jdp import parallel, strategies
 from jdp.buckets import bucket_plan
 from jdp.build import batch_spec, build
 from jdp.config import Config, ConfigError, validate
@@ -86,11 +86,10 @@ def all_reduce_report(cfg: Config) -> tuple[str, dict]:
     printable table and the numbers: count and bytes of each kind, and the (padded) parameter bytes they must
     add up to.
     """
-    strategy = cfg.parallel.strategy
-    if strategy == "dp":
-        raise ConfigError(
-            "the collectives report is for parallel.strategy=ddp or zero1 (dp gathers to a master instead)"
-        )
+    strategy, s = cfg.parallel.strategy, strategies.get(cfg.parallel.strategy)
+    if not s.planned:
+        planned = " or ".join(k for k, v in strategies.REGISTRY.items() if v.planned)
+        raise ConfigError(f"the collectives report is for parallel.strategy={planned} ({strategy} gathers instead)")
     mesh = parallel.make_mesh()
     n = mesh.devices.size
     derived = validate(cfg, n, jax.process_count())
@@ -100,15 +99,15 @@ def all_reduce_report(cfg: Config) -> tuple[str, dict]:
     p = cfg.parallel
     buckets = bucket_plan(graphdef, lm_loss, state.params, state.rest, micro, p.bucket_mb, p.reduce_dtype)
     shapes = jax.tree.leaves(state.params)
-    pad = n if strategy == "zero1" else 1  # zero1 pads every gradient and parameter to a multiple of n
+    pad = n if s.split_optimizer else 1  # a split layout pads every gradient and parameter to a multiple of n
     padded = [sum(shapes[k].size + -shapes[k].size % pad for k in b.leaves) for b in buckets]
-    grad_kind = "reduce-scatter" if strategy == "zero1" else "all-reduce"
+    grad_kind = s.gradients
     lowered = train_step.lower(state, spec)
     emitted_found = collectives(lowered.as_text(dialect="hlo"))  # the program before XLA's passes
     emitted = _match(emitted_found, grad_kind, buckets, padded)
     found = collectives(lowered.compile().as_text())
     grads = _match(found, grad_kind, buckets, padded)
-    gathers = _match(found, "all-gather", buckets, padded) if strategy == "zero1" else {}
+    gathers = _match(found, "all-gather", buckets, padded) if s.gathers_parameters else {}
     param_bytes = sum(x.size * x.dtype.itemsize for x in shapes)
     padded_bytes = sum(x.dtype.itemsize * (x.size + -x.size % pad) for x in shapes)
     lines = [
@@ -122,12 +121,12 @@ def all_reduce_report(cfg: Config) -> tuple[str, dict]:
     gather_bytes = sum(a.bytes for a in found if id(a) in gathers)
     emitted_bytes = sum(a.bytes for a in emitted_found if id(a) in emitted)
     others = [a for a in found if id(a) not in grads and id(a) not in gathers]
-    padding = f"; {padded_bytes:,} padded to multiples of {n}" if strategy == "zero1" else ""
+    padding = f"; {padded_bytes:,} padded to multiples of {n}" if s.split_optimizer else ""
     lines.append(
         f"gradients: {len(grads)} {grad_kind}(s), {grad_bytes:,} bytes in all = {grad_bytes / param_bytes:.2f} x "
         f"the parameter bytes ({param_bytes:,} bytes, {n_params:,} parameters{padding})"
     )
-    if strategy == "zero1":
+    if s.gathers_parameters:
         lines.append(f"parameters: {len(gathers)} all-gather(s), {gather_bytes:,} bytes in all")
     lines.append(f"other collectives: {len(others)}, {sum(a.bytes for a in others):,} bytes")
     if emitted_bytes != grad_bytes:

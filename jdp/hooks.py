@@ -28,6 +28,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+__all__ = ["CommHook", "GradBucket", "Mean", "PowerSGD", "varying"]
+
 
 def varying(tree, axis: str):
     """`tree` marked as differing between the devices of `axis` (the per-device step's type for such values; a

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -14,6 +15,22 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from jdp.log import logger
+
+__all__ = [
+    "worker_argv",
+    "LaunchError",
+    "Launcher",
+    "Worker",
+    "cpu_flags",
+    "cpu_groups",
+    "free_port",
+    "gpu_groups",
+    "launch",
+    "say",
+]
+
+log = logger("jdp.launch")
 # Variables of other launchers that would contradict the JAX_* description given to each worker.
 _FOREIGN = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
@@ -97,6 +114,11 @@ def _pump(worker: Worker, stream, out, keep: bool) -> None:
         out.flush()
 
 
+def say(msg: str, level: int = logging.INFO, prefix: str = "jdp launch: ") -> None:
+    """The launcher's own lines: on stderr (its stdout carries the workers' output), from every node's launcher."""
+    log.log(level, msg, extra={"prefix": prefix, "stderr": True, "all_ranks": True})
+
+
 def _describe_exit(code: int) -> str:
     if code < 0:
         try:
@@ -112,9 +134,6 @@ class Launcher:
         self.workers: list[Worker] = []
         self.signalled = 0
         self.kill_at = float("inf")
-
-    def say(self, msg: str) -> None:
-        print(f"jdp launch: {msg}", file=sys.stderr, flush=True)
 
     def start(self, coordinator: str) -> None:
         a = self.args
@@ -145,7 +164,7 @@ class Launcher:
                 env.setdefault("JAX_PLATFORMS", "cpu")
                 pin = cores[local] if cores else None
             proc = subprocess.Popen(
-                [sys.executable, "-m", "jdp.cli", *self.command],
+                worker_argv(self.command),
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -167,7 +186,7 @@ class Launcher:
         where = f"GPUs {gpus}" if gpus else f"{a.devices_per_proc} CPU device(s) each"
         if cores:
             where += f", cores {[sorted(c) for c in cores]}"
-        self.say(f"started ranks {[w.rank for w in self.workers]} of {world} ({where}), coordinator {coordinator}")
+        say(f"started ranks {[w.rank for w in self.workers]} of {world} ({where}), coordinator {coordinator}")
 
     def signal_all(self, sig: int) -> None:
         for w in self.workers:
@@ -193,7 +212,7 @@ class Launcher:
         """Wait until every worker exits 0 (returns 0) or one fails (returns its code and the worker)."""
         while True:
             if self.signalled and time.monotonic() > self.kill_at:
-                self.say(f"workers still running {self.args.grace_s:g} s after the signal: killing them")
+                say(f"workers still running {self.args.grace_s:g} s after the signal: killing them", logging.WARNING)
                 self.signal_all(signal.SIGKILL)
                 self.kill_at = float("inf")
             for w in self.workers:
@@ -207,9 +226,10 @@ class Launcher:
     def on_signal(self, sig, frame) -> None:
         self.signalled += 1
         if self.signalled == 1:
-            self.say(
+            say(
                 f"got {signal.Signals(sig).name}: passing it to the workers; they get {self.args.grace_s:g} s "
-                f"to exit (send it again to kill them at once)"
+                f"to exit (send it again to kill them at once)",
+                logging.WARNING,
             )
             self.kill_at = time.monotonic() + self.args.grace_s
             self.signal_all(sig)
@@ -228,22 +248,40 @@ class Launcher:
                 for w in self.workers:
                     for t in w.threads:
                         t.join(timeout=2)
-                self.say("all workers finished")
+                say("all workers finished")
                 return 0
-            self.say(
+            say(
                 f"worker rank {failed.rank} (local rank {failed.local_rank}, pid {failed.proc.pid}) "
-                f"{_describe_exit(code)}; last error: {failed.last_error()}"
+                f"{_describe_exit(code)}; last error: {failed.last_error()}",
+                logging.ERROR,
             )
-            self.say("stopping the other workers")
+            say("stopping the other workers")
             self.stop_all()
             if self.signalled:
                 return 128 + signal.SIGTERM if code < 0 else code or 1
             if attempt < a.max_restarts:
-                self.say(f"restarting the group (restart {attempt + 1} of {a.max_restarts})")
-        self.say(
-            f"giving up: rank {failed.rank} failed" + (f" after {a.max_restarts} restarts" if a.max_restarts else "")
+                say(f"restarting the group (restart {attempt + 1} of {a.max_restarts})")
+        say(
+            f"giving up: rank {failed.rank} failed" + (f" after {a.max_restarts} restarts" if a.max_restarts else ""),
+            logging.ERROR,
         )
         return code if code > 0 else 1
+
+
+JDP_COMMANDS = ("train", "allreduce", "plot", "generate", "export", "plan")
+
+
+def worker_argv(command: list[str]) -> list[str]:
+    """What each worker runs: a jdp command (`train ...`) with this Python; a Python script (`python x.py ...` or
+    `x.py ...`, as torchrun runs one) with this Python too, so the workers see the launcher's environment; any
+    other program as given."""
+    if command[0] in JDP_COMMANDS:
+        return [sys.executable, "-m", "jdp.cli", *command]
+    if command[0] in ("python", "python3"):
+        return [sys.executable, *command[1:]]
+    if command[0].endswith(".py"):
+        return [sys.executable, *command]
+    return list(command)
 
 
 def launch(args, command: list[str]) -> int:
@@ -251,7 +289,8 @@ def launch(args, command: list[str]) -> int:
         command = command[1:]
     if not command:
         raise LaunchError(
-            "nothing to launch: give the jdp command after --, e.g. jdp launch --nproc-per-node 2 -- train"
+            "nothing to launch: give a jdp command or a script after --, e.g. jdp launch --nproc-per-node 2 -- train, "
+            "or -- python my_training.py"
         )
     if args.nproc_per_node < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         raise LaunchError(f"--node-rank {args.node_rank} must be in [0, --nnodes {args.nnodes}); --nproc-per-node >= 1")

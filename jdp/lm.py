@@ -13,6 +13,7 @@ from jdp import hf
 from jdp.build import comm_hook
 from jdp.config import Config, ConfigError, Derived
 from jdp.data import Data, eval_batches, load_data
+from jdp.log import logger
 from jdp.memory import check_memory
 from jdp.metrics import flops_per_token
 from jdp.model import GPT, lm_loss
@@ -21,6 +22,8 @@ from jdp.trainer import Trainer
 from jdp.world import World
 
 __all__ = ["LanguageModel", "Text", "checked_import", "train"]
+
+log = logger("jdp.lm")
 
 
 def train(cfg: Config, world: World | None = None, explicit: frozenset[str] = frozenset()) -> dict:
@@ -79,9 +82,9 @@ class LanguageModel(Trainer):
 
     def announce(self, resumed_from: int | None) -> None:
         if self.imported:
-            print(f"jdp | {self.imported.describe() if resumed_from is None else 'train.init_from not used: resuming'}")
+            log.info(self.imported.describe() if resumed_from is None else "train.init_from not used: resuming")
         for change in self.adopted:  # what the import took from config.json
-            print(f"jdp | {change}")
+            log.info(change)
 
 
 class Text:

@@ -19,10 +19,13 @@ from jdp.config import Config
 from jdp.coordination import StopAgreement, Watchdog
 from jdp.data import Prefetcher
 from jdp.faults import Faults
+from jdp.log import logger
 from jdp.metrics import GOODPUT_PARTS, MetricsLog, StepMeter, describe_goodput, goodput
 from jdp.rundir import RunDir
 
 __all__ = ["Loop", "Phases", "Result", "Run"]
+
+log = logger("jdp.loop")
 
 
 class Phases:
@@ -127,8 +130,8 @@ class Loop:
         account = goodput(loop_start - run.phases.started, run.phases.spent, time.time() - loop_start,
                           self.loader.wait_s, self.done - run.start, run.lost_steps)  # fmt: skip
         run.log.write({"step": self.done, "goodput": account})
-        if self.is_main:
-            print(describe_goodput(account), flush=True)
+        for line in describe_goodput(account):
+            log.info(line)
         run.log.close()
         return Result(self.state, self.done, preempted, self.last, self.meter.bad_total, account)
 
@@ -237,7 +240,5 @@ class Loop:
         self.check_background_save()
         for callback in self.run.callbacks:
             callback.end(self, preempted)
-        if preempted and self.is_main:
-            print(
-                f"\njdp | stopped by a signal after step {self.done}; checkpoint saved. Run the same command to resume."
-            )
+        if preempted:  # the newline ends the progress bar's line
+            log.info(f"\nstopped by a signal after step {self.done}; checkpoint saved. Run the same command to resume.")

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jdp import plan
+from jdp import plan, strategies
 from jdp.config import Config, ConfigError, Derived
 
 LARGER_FRACTION = 0.95  # what a user may give JAX instead of its default 75% of a GPU, leaving CUDA the rest
@@ -109,7 +109,7 @@ class Pool:
         optimizer state and only their own gradients)."""
         if not self.shared:
             return m.total
-        if strategy != "dp":
+        if not strategies.get(strategy).master:
             return m.total * self.devices
         other = m.total - m.opt_state - m.grads + m.params
         return m.total + (self.devices - 1) * other
@@ -165,7 +165,7 @@ def refusal(cfg: Config, derived: Derived, pool: Pool, platform: str) -> str | N
              ("optimizer state", m.opt_state), ("activations", m.activations)]  # fmt: skip
     held = ", ".join(f"{name} {_gb(nbytes)}" for name, nbytes in parts if nbytes)
     together = f", {pool.amount(need)}," if pool.shared and pool.devices > 1 else ""
-    who = "dp's master device" if strategy == "dp" else "each device"
+    who = f"{strategy}'s master device" if strategies.get(strategy).master else "each device"
     lines = [
         f"this run does not fit in memory: {who} needs "
         f"{_gb(m.total)} ({held}; the activations are an estimate for a micro-batch of {derived.micro_batch} x "
@@ -195,20 +195,18 @@ def suggestions(cfg: Config, derived: Derived, pool: Pool, m: plan.Memory, fused
             f"XLA_PYTHON_CLIENT_MEM_FRACTION={LARGER_FRACTION} in the environment (JAX takes "
             f"{plan.JAX_MEMORY_FRACTION:.0%} of a GPU by default): {_gb(pool.larger)} free per device"
         )
-    others = {"ddp": ("zero1",), "dp": ("ddp", "zero1")}.get(p.strategy, ()) if n > 1 else ()
+    others = strategies.get(p.strategy).instead if n > 1 else ()
     for other in others:
         alt = plan.device_memory(cfg, n, derived.micro_batch, fused, other, state)
         if (need := pool.need(alt, other)) <= pool.available:
-            compression = " parallel.compression=none" if other == "zero1" and p.compression != "none" else ""
-            why = (
-                f"each device keeps 1/{n} of the optimizer state, {_gb(alt.opt_state)}"
-                if other == "zero1"
-                else "no master gathers every device's gradients"
-            )
+            hooks = strategies.get(other).comm_hooks
+            compression = " parallel.compression=none" if not hooks and p.compression != "none" else ""
+            why = strategies.get(other).saves.format(n=n, opt=_gb(alt.opt_state))
             out.append(f"parallel.strategy={other}{compression} ({why}): {pool.amount(need)}")
     out += _batch_changes(cfg, derived, pool, fused, state, p.strategy, "")
-    if not out and "zero1" in others:
-        out += _batch_changes(cfg, derived, pool, fused, state, "zero1", "parallel.strategy=zero1 ")
+    if not out:  # none fits alone: a smaller batch with the optimizer state split
+        for other in (o for o in others if strategies.get(o).split_optimizer):
+            out += _batch_changes(cfg, derived, pool, fused, state, other, f"parallel.strategy={other} ")
     return out
 
 

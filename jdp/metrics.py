@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -18,7 +17,28 @@ import numpy as np
 
 from jdp.config import Config
 from jdp.hardware import GPU_PEAK_FLOPS
+from jdp.log import logger
 from jdp.rundir import RunDir
+
+__all__ = [
+    "GOODPUT_PARTS",
+    "MetricsLog",
+    "StepMeter",
+    "describe_goodput",
+    "fingerprint",
+    "flops_per_token",
+    "goodput",
+    "lost_steps",
+    "measure_matmul_flops",
+    "missing_steps",
+    "params_sha256",
+    "peak_flops",
+    "read_metrics",
+    "step_ranges",
+    "supersede",
+]
+
+log = logger("jdp.metrics")
 
 
 def flops_per_token(cfg: Config) -> float:
@@ -169,7 +189,7 @@ def read_metrics(path: str | Path) -> list[dict]:
             else:
                 records.append(record)
     if damaged:
-        print(f"jdp: warning: {path}: line(s) {damaged} are cut off or damaged; skipped", file=sys.stderr, flush=True)
+        log.warning(f"{path}: line(s) {damaged} are cut off or damaged; skipped")
     return records
 
 
@@ -195,11 +215,7 @@ def supersede(path: str | Path, after_step: int) -> int:
             with where.open("a") as f:
                 f.write("\n".join(lines) + "\n")
     if damaged:
-        print(
-            f"jdp: warning: {path}: {len(damaged)} cut-off or damaged line(s) moved to {run.damaged_metrics}",
-            file=sys.stderr,
-            flush=True,
-        )
+        log.warning(f"{path}: {len(damaged)} cut-off or damaged line(s) moved to {run.damaged_metrics}")
     if moved or damaged or (text and not text.endswith("\n")):
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(line + "\n" for line in keep))
@@ -339,15 +355,16 @@ def goodput(startup_s: float, spent: dict, loop_s: float, data_wait_s: float, st
     return out
 
 
-def describe_goodput(g: dict) -> str:
+def describe_goodput(g: dict) -> list[str]:
+    """The goodput account as lines to log, one per kind of work."""
     rows = [(k[: -len("_s")].replace("_", " "), g[k]) for k in g if k.endswith("_s") and k != "wall_s"]
-    lines = [f"jdp | goodput {g['goodput']:.1%} of {g['wall_s']:.1f} s wall-clock:"]
+    lines = [f"goodput {g['goodput']:.1%} of {g['wall_s']:.1f} s wall-clock:"]
     for name, sec in rows:
         extra = (
             f" ({g['lost_steps']} steps redone after the restart)" if name == "lost work" and g["lost_steps"] else ""
         )
-        lines.append(f"jdp |   {name:<15} {sec:8.1f} s  {sec / g['wall_s']:6.1%}{extra}")
-    return "\n".join(lines)
+        lines.append(f"  {name:<15} {sec:8.1f} s  {sec / g['wall_s']:6.1%}{extra}")
+    return lines
 
 
 def fingerprint(params) -> dict[str, list[float]]:

@@ -15,6 +15,18 @@ from flax import nnx
 
 from jdp.config import ModelConfig
 
+__all__ = [
+    "GPT",
+    "MLP",
+    "Block",
+    "CausalSelfAttention",
+    "attention_scores",
+    "causal_attention",
+    "count_params",
+    "lm_loss",
+    "query_blocks",
+]
+
 
 def _linear(cfg: ModelConfig, d_in: int, d_out: int, std: float, rngs: nnx.Rngs) -> nnx.Linear:
     # By default no biases in the projections (as in PaLM, LLaMA, nanoGPT's bias=False). The key bias in

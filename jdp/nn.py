@@ -23,7 +23,7 @@ class RowKey(nnx.Variable):
 
 class RowIds(nnx.Variable):
     """The global rows (int32, one per example) of the batch a forward computes: set by jdp's step before each
-    (micro-)batch and emptied afterwards. Empty outside jdp's step: the rows are then numbered 0, 1, ... ."""
+    (micro-)batch and put back afterwards. Outside jdp's step it holds [-1]: the rows are then numbered 0, 1, ...."""
 
 
 class RowDropout(nnx.Module):
@@ -41,7 +41,7 @@ class RowDropout(nnx.Module):
         self.rate = rate
         self.deterministic = deterministic
         self.key = RowKey(rngs[rng_collection]())
-        self.rows = RowIds(jnp.zeros((0,), jnp.int32))
+        self.rows = RowIds(jnp.full((1,), -1, jnp.int32))  # outside jdp's step (not size 0: checkpoints skip those)
 
     def __call__(self, inputs: jax.Array, *, deterministic: bool | None = None) -> jax.Array:
         deterministic = self.deterministic if deterministic is None else deterministic
@@ -50,8 +50,10 @@ class RowDropout(nnx.Module):
         if self.rate == 1.0:
             return jnp.zeros_like(inputs)
         rows = self.rows[...]
-        if rows.shape[0] == 0:
+        if rows.shape[0] != inputs.shape[0] and rows.shape == (1,):  # outside jdp's step: rows 0, 1, ...
             rows = jnp.arange(inputs.shape[0], dtype=jnp.int32)
+        elif rows.shape[0] == 1:  # one row: -1 outside jdp's step
+            rows = jnp.maximum(rows, 0)
         elif rows.shape[0] != inputs.shape[0]:
             raise ValueError(
                 f"RowDropout got inputs of shape {inputs.shape}, whose first axis is not the batch's "

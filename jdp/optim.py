@@ -7,6 +7,8 @@ import optax
 
 from jdp.config import OptimConfig
 
+__all__ = ["NO_DECAY", "decay_mask", "make_optimizer", "make_schedule"]
+
 # Parameter-path fragments that never get weight decay: embeddings (token and position) and norms.
 NO_DECAY = ("embed", "norm")
 

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jdp import strategies
 from jdp.buckets import bucket_plan
 from jdp.build import comm_hook
 from jdp.config import Config, ConfigError, load_config, split_config_args, validate
@@ -43,8 +44,8 @@ from jdp.hardware import DEFAULT_MFU, INTERCONNECTS, gpu_spec, link_for
 from jdp.metrics import flops_per_token, read_metrics
 from jdp.model import GPT, attention_scores, lm_loss
 from jdp.optim import make_optimizer
-from jdp.parallel import OptLayout, param_names
 from jdp.rundir import RunDir
+from jdp.step import OptLayout, param_names
 
 COMPUTE_BOUND = 0.05  # "compute-bound": the exposed all-reduce is at most 5% of the step
 JAX_MEMORY_FRACTION = 0.75  # JAX preallocates this much of a GPU's memory by default (XLA_PYTHON_CLIENT_MEM_FRACTION)
@@ -62,6 +63,11 @@ def abstract_state(cfg: Config):
     return graphdef, params, rest, jax.eval_shape(optimizer.init, params)
 
 
+def planned_strategies() -> list[str]:
+    """The strategies the planner models: those whose gradients travel by a collective per bucket."""
+    return [name for name, s in strategies.REGISTRY.items() if s.planned]
+
+
 def tree_bytes(tree) -> int:
     return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
@@ -71,7 +77,7 @@ def opt_bytes_per_device(cfg: Config, strategy: str, n: int, state: tuple | None
     scalars (zero1, with the padding to a multiple of n; exactly what parallel.OptLayout places). `state`: an
     abstract_state(cfg) already traced."""
     _, params, _, opt_state = state or abstract_state(cfg)
-    if strategy != "zero1":
+    if not strategies.get(strategy).split_optimizer:
         return tree_bytes(opt_state)
     optimizer, _ = make_optimizer(cfg.optim, cfg.train.steps)
     shapes = OptLayout(n).shapes(optimizer, params)
@@ -133,7 +139,7 @@ def device_memory(
     param_bytes = tree_bytes(state[1])
     return Memory(
         params=param_bytes,
-        grads=param_bytes * (devices if strategy == "dp" else 1),  # one gradient per parameter, in its dtype
+        grads=param_bytes * (devices if strategies.get(strategy).master else 1),  # one per parameter, in its dtype
         accumulator=param_bytes if cfg.train.grad_accum > 1 else 0,
         opt_state=opt_bytes_per_device(cfg, strategy, devices, state),
         activations=activation_bytes(cfg, micro_batch, fused),
@@ -218,7 +224,7 @@ class Planner:
         backward_s = compute_s * 2 / 3  # backward does twice forward's FLOPs
         link, busbw, latency = link_for(gpu_spec(self.gpu), n, self.interconnect, self.bandwidth_gbs)
         latency = latency if n > 1 else 0.0
-        if self.strategy == "zero1":  # half an all-reduce each way (see the module's docstring)
+        if strategies.get(self.strategy).gathers_parameters:  # half an all-reduce each way (module docstring)
             bucket_s = [ring_allreduce_s(b, n, busbw) / 2 + latency for b in self.bucket_bytes] if n > 1 else []
             gather_s = [ring_allreduce_s(b, n, busbw) / 2 + latency for b in self.gather_bytes] if n > 1 else []
             comm_s = (
@@ -359,8 +365,11 @@ def make_planner(
     mfu: float = DEFAULT_MFU,
 ) -> Planner:
     """The planner for a config on a GPU; traces the model once (shapes only) for the gradient buckets."""
-    if cfg.parallel.strategy not in ("ddp", "zero1"):
-        raise ConfigError("jdp plan models parallel.strategy=ddp and zero1 (dp gathers to a master instead)")
+    if not strategies.get(cfg.parallel.strategy).planned:
+        raise ConfigError(
+            f"jdp plan models parallel.strategy={' and '.join(planned_strategies())} ({cfg.parallel.strategy} gathers "
+            f"to a master instead)"
+        )
     peak = gpu_spec(gpu).peak_flops(cfg.model.dtype)
     link_for(gpu_spec(gpu), 2, interconnect, bandwidth_gbs)  # an unknown interconnect fails here, up front
     if bandwidth_gbs is not None and not bandwidth_gbs > 0:
@@ -434,7 +443,7 @@ def make_plan(
     memory = device_memory(cfg, devices, derived.micro_batch, fused, state=state)
     b = derived.per_device_batch
     choices = []
-    for strategy in ("ddp", "zero1"):
+    for strategy in planned_strategies():
         opt = opt_bytes_per_device(cfg, strategy, devices, state)
         s = dataclasses.replace(planner, strategy=strategy).step(devices, b)
         total = memory.total - memory.opt_state + opt
@@ -527,7 +536,9 @@ def format_plan(plan: Plan, cfg: Config) -> str:
         lines.append(
             f"  grad accumulator  {pdtype:<9} {_size(m.accumulator):>10}   train.grad_accum={ga}: the running sum"
         )
-    split = f"; zero1: this device's 1/{plan.devices}" if plan.strategy == "zero1" else ""
+    split = (
+        f"; {plan.strategy}: this device's 1/{plan.devices}" if strategies.get(plan.strategy).split_optimizer else ""
+    )
     lines += [
         f"  optimizer state   {cfg.optim.name:<9} {_size(m.opt_state):>10}   exact, from optimizer.init's shapes{split}",
         f"  activations       {cfg.model.dtype:<9} {_size(m.activations):>10}   estimate for one micro-batch of "
@@ -566,7 +577,7 @@ def _communication_lines(plan: Plan, cfg: Config) -> list[str]:
     """The step's communication: what travels, its ring time, and what of it shows."""
     s, ga, p, n, out = plan.step, cfg.train.grad_accum, cfg.parallel, plan.devices, []
     grad_bytes = plan.n_params * jnp.dtype(p.reduce_dtype).itemsize
-    if n > 1 and plan.strategy == "zero1":
+    if n > 1 and strategies.get(plan.strategy).gathers_parameters:
         param_bytes = plan.n_params * jnp.dtype(cfg.model.param_dtype).itemsize
         out.append(
             f"  collectives {_ms(s.comm_s):>9} ms   ring: ({n}-1)/{n} x ({_size(grad_bytes)} of {p.reduce_dtype} gradients "

@@ -13,6 +13,8 @@ from jdp.config import ConfigError
 from jdp.metrics import read_metrics
 from jdp.rundir import RunDir
 
+__all__ = ["count_label", "figure", "load_run", "plot", "run"]
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 

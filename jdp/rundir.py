@@ -12,6 +12,8 @@ import threading
 import time
 from pathlib import Path
 
+__all__ = ["RunDir", "RunDirEscape", "RunDirInUse", "RunLock"]
+
 
 class RunDir:
     """RUN_DIR's layout. Process 0 writes the config, metrics, trackers and summary; every process writes

@@ -10,6 +10,8 @@ from jdp.config import ConfigError, DataConfig
 from jdp.corpus import data_files, decoding_error, resolve_source
 from jdp.tokens import windows
 
+__all__ = ["StreamBatches", "hold_out"]
+
 
 def _digest(text: str) -> bytes:
     return hashlib.sha1(text.encode("utf-8")).digest()

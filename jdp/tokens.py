@@ -6,7 +6,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +14,20 @@ from filelock import FileLock
 
 from jdp.config import ConfigError, DataConfig
 from jdp.corpus import cache_root
+from jdp.log import logger
+
+__all__ = [
+    "FORMAT_VERSION",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "Tokens",
+    "load_tokenizer",
+    "n_windows",
+    "tokenize",
+    "windows",
+]
+
+log = logger("jdp.tokens")
 
 FORMAT_VERSION = 1
 _EOD_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "[SEP]", "<|end_of_text|>")
@@ -118,7 +131,7 @@ def tokenize(ds, tokenizer, cfg: DataConfig, seed: int, val_ds=None) -> Tokens:
     # One process per host tokenizes; the others wait for it and then read its cache.
     with FileLock(str(cache) + ".lock"):
         if (cache / "meta.json").exists() and _read_cache(cache) is None:  # damaged after it was written
-            print(f"jdp: warning: the token cache {cache} is damaged; tokenizing again", file=sys.stderr, flush=True)
+            log.warning(f"the token cache {cache} is damaged; tokenizing again")
             shutil.rmtree(cache)
         if not (cache / "meta.json").exists():
             _tokenize_into(cache, key, ds, val_ds, tokenizer, cfg, seed)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,7 +22,7 @@ import yaml
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jdp import parallel
+from jdp import parallel, strategies
 from jdp.callbacks import Callback, Checkpoint, Evaluate, ReplicaCheck
 from jdp.checkpoint import Checkpoints, check_resumable, config_differences, make_record
 from jdp.config import Config, ConfigError, Derived, save_config, validate
@@ -31,6 +30,7 @@ from jdp.coordination import PeerMonitor, announce_departure, first_departure
 from jdp.corpus import cache_root
 from jdp.faults import Faults
 from jdp.hooks import CommHook
+from jdp.log import PLAIN, logger, set_rank
 from jdp.loop import Loop, Phases, Result, Run
 from jdp.metrics import (
     MetricsLog,
@@ -50,13 +50,14 @@ from jdp.world import (
     initialize,
     keep_scratch_memory,
     resolve_world,
-    set_xla_flags,
     use_compilation_cache,
+    watch_launcher,
 )
 
 __all__ = ["RunError", "Trainer"]
 
 LossFn = parallel.LossFn
+log = logger("jdp.trainer")
 
 
 class RunError(RuntimeError):
@@ -133,7 +134,7 @@ class Trainer:
         return self.flops_per_row
 
     def announce(self, resumed_from: int | None) -> None:
-        """Lines a task prints after the banner."""
+        """Lines a task logs after the banner (every process calls it; process 0's are shown)."""
 
     # -- the run ---------------------------------------------------------------------------------------------------
 
@@ -147,9 +148,11 @@ class Trainer:
                 world = resolve_world()
             except WorldError as e:
                 raise ConfigError(str(e)) from e
+        watch_launcher()  # a worker of `jdp launch` never outlives it
         if not jax.distributed.is_initialized():
             p = cfg.parallel
             initialize(world, p.init_timeout_s, p.heartbeat_timeout_s, p.coordinator_bind)
+        set_rank(jax.process_index())  # process 0 speaks for the job (jdp.log's RankFilter)
         phases, run_dir = Phases(), RunDir(cfg.train.run_dir)
         lock, peers = RunLock(run_dir), PeerMonitor()
         created = run_dir.missing_dirs() if jax.process_index() == 0 else []  # removed again if the run never starts
@@ -200,19 +203,20 @@ class Trainer:
             lost = lost_steps(run_dir.metrics, start) if resumed_from is not None else 0
             missing = missing_records(run_dir, cfg, start) if is_main and resumed_from is not None else []
             if is_main and (moved := supersede(run_dir.metrics, start)):
-                print(
-                    f"jdp | {moved} metrics records after step {start} (work lost since that checkpoint) moved to "
+                log.info(
+                    f"{moved} metrics records after step {start} (work lost since that checkpoint) moved to "
                     f"{run_dir.superseded_metrics.name}"
                 )
         peak, peak_source = peak_flops(cfg.model.dtype, derived.n_devices)
+        for line in banner(cfg, world, derived, self.describe_model(n_params, peak, peak_source), data, run_dir,
+                           resumed_from, cache):  # fmt: skip
+            log.info(line)
+        self.announce(resumed_from)
         if is_main:
-            lines = banner(cfg, world, derived, self.describe_model(n_params, peak, peak_source), data, run_dir,
-                           resumed_from, cache)  # fmt: skip
-            print(lines)
-            self.announce(resumed_from)
             save_config(cfg, run_dir.path)
-        log = MetricsLog(run_dir.metrics, enabled=is_main, tensorboard=t.tensorboard, wandb_project=t.wandb_project,
-                         config=cfg.to_dict(), resume_step=resumed_from, missing_steps=missing)  # fmt: skip
+        metrics = MetricsLog(run_dir.metrics, enabled=is_main, tensorboard=t.tensorboard,
+                             wandb_project=t.wandb_project, config=cfg.to_dict(), resume_step=resumed_from,
+                             missing_steps=missing)  # fmt: skip
         meter = StepMeter(cfg, derived.tokens_per_step, peak, data.epoch, self.flops_per_unit())
         record = steps.recorder(cfg)
         callbacks = [ReplicaCheck(t.check_replicas_every)]
@@ -221,8 +225,8 @@ class Trainer:
         callbacks += [*self.callbacks, Checkpoint(t.ckpt_every)]
         return Run(
             cfg, mesh, data, eval_data, steps.graphdef, state, steps.train_step, steps.eval_step,
-            parallel.make_replica_digest(mesh), run_dir, ckpts, record, start, resumed_from, lost, log, meter, phases,
-            Faults(), callbacks, self.unit, self.handle_signals,
+            parallel.make_replica_digest(mesh), run_dir, ckpts, record, start, resumed_from, lost, metrics, meter,
+            phases, Faults(), callbacks, self.unit, self.handle_signals,
         )  # fmt: skip
 
     def restore(self, run_dir: RunDir, steps: Steps, data) -> tuple[Checkpoints, int | None, Any]:
@@ -230,14 +234,14 @@ class Trainer:
         restores (laid out for today's strategy and devices), or None and the fresh state."""
         cfg, t, is_main = self.cfg, self.cfg.train, jax.process_index() == 0
         if not t.resume and is_main and (archived := run_dir.archive()):
-            print(f"jdp | train.resume=false: the previous run's files are now in {archived}")
+            log.info(f"train.resume=false: the previous run's files are now in {archived}")
         multihost_utils.sync_global_devices("jdp: run directory ready")
         ckpts = Checkpoints(run_dir.path, t.ckpt_keep)
         if not t.resume or not (restored := ckpts.restore_latest(steps.state, lambda r: check_resumable(r, cfg),
                                                                   steps.target)):  # fmt: skip
             return ckpts, None, steps.state
         start, state, record = restored
-        state = steps.after_restore(state, record, is_main)
+        state = steps.after_restore(state, record)
         if cfg.data.streaming:
             data.train.load_state_dict(stream_position(run_dir, start))
         return ckpts, start, state
@@ -258,7 +262,7 @@ class Steps:
 
     @property
     def layout(self) -> parallel.OptLayout:
-        return parallel.OptLayout.of(self.strategy, self.mesh)
+        return parallel.opt_layout(self.strategy, self.mesh)
 
     @property
     def comm(self) -> dict | None:
@@ -271,14 +275,13 @@ class Steps:
                                        self.layout.of_record(record))  # fmt: skip
         return like if record.get("comm") == self.comm else dataclasses.replace(like, comm=None)
 
-    def after_restore(self, state, record: dict, is_main: bool):
+    def after_restore(self, state, record: dict):
         """A restored state laid out for today's strategy, saying what moved."""
         if (saved := self.layout.of_record(record)) != self.layout:
             state = parallel.relayout(state, self.optimizer, self.mesh, self.strategy)
-            if is_main:
-                print(f"jdp | optimizer state moved from {saved.describe()} to {self.layout.describe()}")
-        if record.get("comm") != self.comm and is_main and (record.get("comm") or self.comm):
-            print(f"jdp | {comm_change(record.get('comm'), self.comm)}")
+            log.info(f"optimizer state moved from {saved.describe()} to {self.layout.describe()}")
+        if record.get("comm") != self.comm and (record.get("comm") or self.comm):
+            log.info(comm_change(record.get("comm"), self.comm))
         return state
 
     def recorder(self, cfg: Config) -> Callable[[int], dict]:
@@ -291,16 +294,14 @@ def apply_xla_options(cfg: Config) -> None:
     them, if JAX has not started yet; if it has, a warning names the options that could not be applied."""
     from jax._src import xla_bridge  # private, but the only way to ask whether a backend exists (jax 0.10-0.12)
 
-    p = cfg.parallel
+    p, strategy = cfg.parallel, strategies.get(cfg.parallel.strategy)
     if not xla_bridge.backends_are_initialized():
-        set_xla_flags(p.bucket_mb, strategy=p.strategy)
+        strategy.set_xla_flags(p.bucket_mb)
         keep_scratch_memory()
-    elif missing := set_xla_flags(p.bucket_mb, environ=dict(os.environ), strategy=p.strategy):
-        print(
-            f"jdp: warning: JAX started before the trainer was made, so jdp's XLA options ({' '.join(missing)}) are "
-            f"not applied: make the Trainer (or call jdp.world.set_xla_flags()) before anything touches a device",
-            file=sys.stderr,
-            flush=True,
+    elif missing := strategy.set_xla_flags(p.bucket_mb, environ=dict(os.environ)):
+        log.warning(
+            f"JAX started before the trainer was made, so jdp's XLA options ({' '.join(missing)}) are "
+            f"not applied: make the Trainer (or call jdp.world.set_xla_flags()) before anything touches a device"
         )
 
 
@@ -342,11 +343,7 @@ def hold(lock: RunLock, run_dir: RunDir, cfg: Config) -> int | None:
                 whose = f"process {dead['pid']} on {dead['host']}, started {dead['started']}"
                 if dead.get("damaged"):  # cut off by a crash or a full disk while its job created it
                     whose = f"its lock was cut off while written, at {dead['started']}"
-                print(
-                    f"jdp: warning: took over {lock.path} from a job that is gone ({whose})",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                log.warning(f"took over {lock.path} from a job that is gone ({whose})")
             complete = -1 if problem else completed_step(run_dir, cfg)
         except RunDirInUse as e:
             problem = str(e)
@@ -387,12 +384,11 @@ def completed_step(run_dir: RunDir, cfg: Config) -> int:
 
 def already_complete(run_dir: RunDir, step: int) -> dict:
     """What fit() returns for a run with nothing left to do: its summary, untouched on disk."""
-    if jax.process_index() == 0:
-        print(
-            f"jdp: run already complete at step {step} ({run_dir.path}); nothing was changed. Raise train.steps to "
-            f"train further, or set train.resume=false to start over",
-            flush=True,
-        )
+    log.info(
+        f"run already complete at step {step} ({run_dir.path}); nothing was changed. Raise train.steps to "
+        f"train further, or set train.resume=false to start over",
+        extra=PLAIN,
+    )
     try:
         summary = json.loads(run_dir.summary.read_text())
     except (OSError, ValueError):
@@ -412,13 +408,11 @@ def missing_records(run_dir: RunDir, cfg: Config, start: int) -> list[int]:
         log_every, eval_every = cfg.train.log_every, cfg.train.eval_every if cfg.data.val_tokens > 0 else 0
     if missing := missing_steps(run_dir.metrics, start, log_every, eval_every):
         steps = step_ranges(missing, log_every, eval_every)
-        print(
-            f"jdp: warning: {run_dir.metrics.name} has no records for steps {steps} ({len(missing)} logged steps up "
+        log.warning(
+            f"{run_dir.metrics.name} has no records for steps {steps} ({len(missing)} logged steps up "
             f"to the checkpoint at step {start}; deleted or cut off?). The run goes on; their history is gone from "
             f"metrics.jsonl and `jdp plot` (TensorBoard may still hold them), and summary.json counts them as "
-            f"missing_metrics_steps",
-            file=sys.stderr,
-            flush=True,
+            f"missing_metrics_steps"
         )
     return missing
 
@@ -449,24 +443,22 @@ def comm_change(saved: dict | None, now: dict | None) -> str:
     )
 
 
-def banner(cfg: Config, world: World, derived, model_line: str, data, run_dir, resumed_from, cache) -> str:
-    """The derived numbers, printed once at start."""
+def banner(cfg: Config, world: World, derived, model_line: str, data, run_dir, resumed_from, cache) -> list[str]:
+    """The derived numbers, logged once at start: one record per line."""
     par, t = cfg.parallel, cfg.train
     epochs = "" if cfg.data.streaming else f" | {t.steps} steps = {data.epoch(t.steps):.3f} epochs"
     where = "starting at step 0" if resumed_from is None else f"resuming from the checkpoint at step {resumed_from}"
-    return "\n".join(
-        [
-            f"jdp | {world.describe()} | {jax.devices()[0].device_kind} x {derived.n_devices}, "
-            f"{jax.local_device_count()} local | jax {jax.__version__}",
-            f"jdp | {model_line}",
-            f"jdp | {derived.describe()}",
-            f"jdp | parallel.strategy={par.strategy} bucket_mb={par.bucket_mb:g} reduce_dtype={par.reduce_dtype}"
-            f"{compression(par)} | "
-            f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
-            f"jdp | data {data.describe()}{epochs}",
-            f"jdp | run dir {run_dir.path} | {where} | compile cache {cache or 'off (train.compile_cache=false)'}",
-        ]
-    )
+    return [
+        f"{world.describe()} | {jax.devices()[0].device_kind} x {derived.n_devices}, "
+        f"{jax.local_device_count()} local | jax {jax.__version__}",
+        model_line,
+        derived.describe(),
+        f"parallel.strategy={par.strategy} bucket_mb={par.bucket_mb:g} reduce_dtype={par.reduce_dtype}"
+        f"{compression(par)} | "
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
+        f"data {data.describe()}{epochs}",
+        f"run dir {run_dir.path} | {where} | compile cache {cache or 'off (train.compile_cache=false)'}",
+    ]
 
 
 def compression(par) -> str:
@@ -502,7 +494,7 @@ def finish(run: Run, world: World, derived: Derived, r: Result) -> dict:
         run.run_dir.summary.write_text(json.dumps(summary, indent=1))
         if not r.preempted:
             evaluated = f", eval_loss {r.last['eval_loss']:.4f}" if "eval_loss" in r.last else ""
-            print(f"jdp | done: loss {r.last.get('loss', float('nan')):.4f}{evaluated}")
+            log.info(f"done: loss {r.last.get('loss', float('nan')):.4f}{evaluated}")
     return {
         **r.last,
         "state": r.state,

@@ -20,6 +20,31 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from jdp.log import PLAIN, logger, set_rank
+
+__all__ = [
+    "BIND_ENV",
+    "COORDINATOR_PORT_ENV",
+    "LAUNCHER_GRACE_S",
+    "LAUNCHER_PID",
+    "JoinError",
+    "World",
+    "WorldError",
+    "bind_address",
+    "check_port_free",
+    "collective_flags",
+    "flush_every_line",
+    "initialize",
+    "keep_scratch_memory",
+    "resolve_world",
+    "set_xla_flags",
+    "tolerate_broken_pipes",
+    "use_compilation_cache",
+    "watch_launcher",
+]
+
+log = logger("jdp.world")
+
 
 @dataclass(frozen=True)
 class World:
@@ -276,14 +301,13 @@ def initialize(world: World, init_timeout_s: int = 300, heartbeat_timeout_s: int
     address, why = bind_address(world.coordinator, bind)
     if world.process_id == 0 and address is not None:
         check_port_free(address, world)
-    if world.process_id == 0:
+    if world.process_id == 0:  # JAX has not started: the rank is the World's
         warn = address is None or address.startswith(("[::]", "0.0.0.0"))
-        print(
-            f"jdp{': warning' if warn and why != 'as asked' else ''}: the coordination service listens on "
-            f"{address or 'every interface'} ({why})",
-            file=sys.stderr if warn else sys.stdout,
-            flush=True,
-        )
+        text = f"the coordination service listens on {address or 'every interface'} ({why})"
+        if warn and why != "as asked":
+            log.warning(text, extra={"rank": 0})
+        else:  # a notice; on stderr where it listens on every interface, as asked
+            log.info(text, extra={**PLAIN, "rank": 0, "stderr": warn})
     import jax
 
     # CPU collectives across processes need gloo; GPU collectives use NCCL regardless of this setting.
@@ -297,13 +321,12 @@ def initialize(world: World, init_timeout_s: int = 300, heartbeat_timeout_s: int
                 if world.process_id == 0
                 else f"the coordinator (process 0) at {world.coordinator or 'the auto-detected address'}"
             )
-            print(
-                f"jdp: error: process {world.process_id} of {world.num_processes} gave up after {init_timeout_s} s "
+            log.error(
+                f"process {world.process_id} of {world.num_processes} gave up after {init_timeout_s} s "
                 f"waiting for {waited_for} (phase: initialization). A process never started, died before "
                 f"joining, or cannot reach the coordinator; check the other processes' logs and the address, "
                 f"or raise parallel.init_timeout_s.",
-                file=sys.stderr,
-                flush=True,
+                extra={"rank": world.process_id},
             )
             os._exit(3)
 
@@ -343,9 +366,13 @@ def initialize(world: World, init_timeout_s: int = 300, heartbeat_timeout_s: int
             f"{world.coordinator or 'the auto-detected coordinator'} ({world.source}): {first}"
         ) from e
     joined.set()
+    set_rank(jax.process_index())  # process 0 speaks for the job (jdp.log)
 
 
 LAUNCHER_PID, LAUNCHER_GRACE_S = "JDP_LAUNCHER_PID", "JDP_LAUNCHER_GRACE_S"  # what `jdp launch` tells its workers
+
+
+_watching = False
 
 
 def watch_launcher(environ: Mapping[str, str] | None = None, poll_s: float = 0.5) -> bool:
@@ -355,23 +382,25 @@ def watch_launcher(environ: Mapping[str, str] | None = None, poll_s: float = 0.5
     (they all lose the launcher at once) and a checkpoint; if it has not exited after the launcher's grace
     period, it exits anyway. True if this process is such a worker.
     """
+    global _watching
     environ = os.environ if environ is None else environ
     if not environ.get(LAUNCHER_PID, "").isdigit():
         return False
+    if _watching:  # once per process: the command line and the trainer both ask
+        return True
+    _watching = True
     launcher, grace_s = int(environ[LAUNCHER_PID]), float(environ.get(LAUNCHER_GRACE_S, "30"))
 
     def watch() -> None:
         while os.getppid() == launcher:
             time.sleep(poll_s)
-        print(
-            f"jdp: error: the launcher (pid {launcher}) is gone; stopping this worker at a step the workers agree "
-            f"on (exiting in at most {grace_s:g} s)",
-            file=sys.stderr,
-            flush=True,
+        log.error(
+            f"the launcher (pid {launcher}) is gone; stopping this worker at a step the workers agree on (exiting "
+            f"in at most {grace_s:g} s)"
         )
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace_s)
-        print(f"jdp: error: still running {grace_s:g} s after the launcher died; exiting", file=sys.stderr, flush=True)
+        log.error(f"still running {grace_s:g} s after the launcher died; exiting")
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="jdp-launcher-watch").start()
@@ -420,8 +449,9 @@ def tolerate_broken_pipes() -> None:
             setattr(sys, name, _Unbreakable(stream))
 
 
-def collective_flags(bucket_mb: float, strategy: str = "ddp") -> dict[str, str]:
-    """The XLA options jdp wants for its gradient collectives (see set_xla_flags)."""
+def collective_flags(bucket_mb: float, combine_cpu_all_reduces: bool = False) -> dict[str, str]:
+    """The XLA options jdp wants for its gradient collectives (see set_xla_flags). combine_cpu_all_reduces: the
+    strategy's all-reduces are scalars only (zero1), so XLA:CPU may merge them (strategies/__init__.py)."""
     threshold = int(bucket_mb * 2**20) if bucket_mb > 0 else 2**40
     flags = {
         # GPUs: collectives already run asynchronously by default in this XLA; the latency-hiding scheduler
@@ -435,14 +465,16 @@ def collective_flags(bucket_mb: float, strategy: str = "ddp") -> dict[str, str]:
         "xla_gpu_reduce_scatter_combine_threshold_bytes": str(threshold),
         "xla_gpu_all_gather_combine_threshold_bytes": str(threshold),
     }
-    if strategy != "zero1":
+    if not combine_cpu_all_reduces:
         # CPU: XLA would merge every all-reduce of the step into one; keep the buckets as planned. zero1's only
         # all-reduces are scalars (a gradient norm's partial sum per parameter): merged, they are one round trip.
         flags["xla_disable_hlo_passes"] = "cpu-all-reduce-combiner"
     return flags
 
 
-def set_xla_flags(bucket_mb: float = 25.0, environ: dict | None = None, strategy: str = "ddp") -> list[str]:
+def set_xla_flags(
+    bucket_mb: float = 25.0, environ: dict | None = None, combine_cpu_all_reduces: bool = False
+) -> list[str]:
     """Add jdp's collective options to XLA_FLAGS where the user has not set them; returns the ones added.
 
     XLA reads XLA_FLAGS once, when JAX first touches a device: call this before that (`jdp train` does).
@@ -452,7 +484,7 @@ def set_xla_flags(bucket_mb: float = 25.0, environ: dict | None = None, strategy
     environ = os.environ if environ is None else environ
     current = environ.get("XLA_FLAGS", "")
     present = set(re.findall(r"--([\w]+)", current))
-    wanted = collective_flags(bucket_mb, strategy)
+    wanted = collective_flags(bucket_mb, combine_cpu_all_reduces)
     added = [f"--{k}={v}" for k, v in wanted.items() if k not in present]
     if added:
         environ["XLA_FLAGS"] = " ".join([current, *added]).strip()

@@ -61,9 +61,9 @@ def _setup(config: str, overrides: list[str]):
     from jdp.config import load_config
 
     cfg = load_config(config, ["train.run_dir=/dev/null", "train.progress=false", *overrides])
-    jobs.set_xla_flags(
-        cfg.parallel.bucket_mb, strategy=cfg.parallel.strategy
-    )  # as `jdp train` does, before jax touches a device
+    from jdp import strategies
+
+    strategies.get(cfg.parallel.strategy).set_xla_flags(cfg.parallel.bucket_mb)  # as `jdp train`, before jax starts
     os.environ["JDP_BENCH_KEPT_SCRATCH"] = str(jobs.keep_scratch_memory())
     return cfg
 

@@ -24,7 +24,9 @@ def main() -> None:
     a = ap.parse_args()
     config, overrides = split_config_args(a.args)
     cfg = load_config(config, ["train.run_dir=/dev/null", *overrides])
-    jobs.set_xla_flags(cfg.parallel.bucket_mb, strategy=cfg.parallel.strategy)
+    from jdp import strategies
+
+    strategies.get(cfg.parallel.strategy).set_xla_flags(cfg.parallel.bucket_mb)
     jobs.keep_scratch_memory()
 
     import jax

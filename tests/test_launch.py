@@ -245,3 +245,12 @@ def test_a_process_that_leaves_outside_a_step_is_named_by_the_others_within_seco
         apart = abs(results.ended[1 - pid] - results.ended[pid])
         print(f"{where}, process {pid} leaves: the other exits {apart:.1f} s apart")
         assert apart < 60
+
+
+def test_a_worker_runs_a_jdp_command_or_a_script_with_the_launchers_python():
+    from jdp.launch import worker_argv
+
+    assert worker_argv(["train", "tiny"]) == [sys.executable, "-m", "jdp.cli", "train", "tiny"]
+    assert worker_argv(["python", "x.py", "--a"]) == [sys.executable, "x.py", "--a"]
+    assert worker_argv(["x.py"]) == [sys.executable, "x.py"]
+    assert worker_argv(["./run.sh", "1"]) == ["./run.sh", "1"]

@@ -58,7 +58,6 @@ def train(n_devices, strategy="ddp", grad_accum=1, global_stats=True, hook=False
     comm_hook = Mean() if hook else None
     model = MLP(global_stats, nnx.Rngs(0))
     graphdef, state = parallel.init_state(model, optimizer, mesh, strategy, comm_hook)
-    state = parallel.for_strategy(state, strategy, mesh)
     initial_rest = jax.device_get(state.rest)
     step = parallel.make_train_step(
         graphdef, loss_fn, optimizer, mesh, grad_accum, strategy=strategy, comm_hook=comm_hook

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from test_parallel import CFG, make_batch, params_close, rel_diff
 
-from jdp import parallel
+from jdp import parallel, strategies
 from jdp.buckets import bucket_plan
 from jdp.config import OptimConfig
 from jdp.hlo import Collective, _rows, all_reduces
@@ -23,8 +23,7 @@ from jdp.world import set_xla_flags
 def build(n_devices=4, grad_accum=1, **step_kw):
     mesh = parallel.make_mesh(jax.devices()[:n_devices])
     opt, schedule = make_optimizer(OptimConfig(lr=1e-3, warmup_steps=0), 10)
-    graphdef, state = parallel.init_state(GPT(CFG, nnx.Rngs(0)), opt, mesh)
-    state = parallel.for_strategy(state, step_kw.get("strategy", "ddp"), mesh)
+    graphdef, state = parallel.init_state(GPT(CFG, nnx.Rngs(0)), opt, mesh, step_kw.get("strategy", "ddp"))
     step = parallel.make_train_step(graphdef, lm_loss, opt, mesh, grad_accum, schedule, **step_kw)
     return mesh, graphdef, state, step
 
@@ -129,7 +128,7 @@ def test_xla_flags_added_only_where_the_user_has_not_set_them():
     assert f"--xla_gpu_all_reduce_combine_threshold_bytes={4 * 2**20}" in env["XLA_FLAGS"]
     assert "cpu-all-reduce-combiner" in env["XLA_FLAGS"]  # ddp's buckets stay apart on CPUs
     zero1 = {}
-    set_xla_flags(bucket_mb=4, environ=zero1, strategy="zero1")  # its only all-reduces are scalars: merge them
+    strategies.get("zero1").set_xla_flags(4, environ=zero1)  # its only all-reduces are scalars: merge them
     assert "cpu-all-reduce-combiner" not in zero1["XLA_FLAGS"] and "all_gather_combine" in zero1["XLA_FLAGS"]
 
 

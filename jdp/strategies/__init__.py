@@ -1,0 +1,110 @@
+"""The strategies: how the data-parallel step keeps and updates the state. One module each, one registry.
+
+A strategy's module (`ddp.py`, `zero1.py`, `dp.py`) holds what needs JAX: `layout(mesh)` (how its optimizer state
+lies, which checkpoints record), `opt_shardings(shapes, mesh)` (where that state lives) and `make_train_step(...)`.
+Its entry below holds what the rest of jdp asks about it without importing JAX (the `jdp` command starts without
+it): the config checks, its XLA options, and what the planner and the memory check count. Nothing outside this
+package compares strategy names (tests/test_shape.py checks it): adding a strategy is one module and one entry.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from jdp import world
+
+__all__ = ["REGISTRY", "Strategy", "get", "names"]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    module: str  # its layout, placement and step (imported on first use)
+    summary: str
+    comm_hooks: bool = False  # a communication hook (hooks.py) may replace the mean of its gradient buckets
+    one_process: bool = False  # cannot span processes
+    split_optimizer: bool = False  # each device keeps 1/N of the optimizer state
+    master: bool = False  # one device receives every gradient and keeps the optimizer state
+    gradients: str = "all-reduce"  # the collective gradients travel by ("": gathered onto the master)
+    gathers_parameters: bool = False  # the updated parameters are all-gathered after the update
+    combine_cpu_all_reduces: bool = False  # XLA:CPU may merge its all-reduces (they are scalars only)
+    instead: tuple[str, ...] = ()  # what the memory check suggests when this one does not fit, in order
+    saves: str = ""  # why it needs less memory than the others, for that suggestion ({n}: devices, {opt}: bytes)
+
+    @property
+    def planned(self) -> bool:
+        """Whether `jdp plan` and `jdp allreduce` model it (a collective per bucket)."""
+        return bool(self.gradients)
+
+    def steps(self) -> ModuleType:
+        """Its module: layout(mesh), opt_shardings(shapes, mesh), make_train_step(...)."""
+        return importlib.import_module(self.module)
+
+    def problems(self, parallel: Any, n_processes: int) -> list[str]:
+        """What is wrong with running it as `parallel` (the config's section) on `n_processes` processes."""
+        out = []
+        if self.one_process and n_processes > 1:
+            out.append(
+                f"parallel.strategy={self.name} is PyTorch DataParallel's single-process master pattern and cannot "
+                f"span {n_processes} processes; use parallel.strategy=ddp"
+            )
+        if parallel.compression != "none" and not self.comm_hooks:
+            out.append(
+                f"parallel.compression={parallel.compression} compresses ddp's gradient all-reduces; "
+                f"parallel.strategy={self.name} has none (use parallel.strategy=ddp, or parallel.compression=none)"
+            )
+        return out
+
+    def xla_flags(self, bucket_mb: float) -> dict[str, str]:
+        return world.collective_flags(bucket_mb, self.combine_cpu_all_reduces)
+
+    def set_xla_flags(self, bucket_mb: float = 25.0, environ: dict | None = None) -> list[str]:
+        """Its XLA options into XLA_FLAGS where the user has not set them (world.set_xla_flags)."""
+        return world.set_xla_flags(bucket_mb, environ, self.combine_cpu_all_reduces)
+
+
+REGISTRY: dict[str, Strategy] = {
+    s.name: s
+    for s in (
+        Strategy(
+            "ddp",
+            "jdp.strategies.ddp",
+            "every device keeps everything; gradients all-reduced in buckets; every replica updates",
+            comm_hooks=True,
+            instead=("zero1",),
+            saves="no master gathers every device's gradients",
+        ),
+        Strategy(
+            "zero1",
+            "jdp.strategies.zero1",
+            "ddp with the optimizer state split over the devices: reduce-scatter, update a slice, all-gather",
+            split_optimizer=True,
+            gradients="reduce-scatter",
+            gathers_parameters=True,
+            combine_cpu_all_reduces=True,
+            saves="each device keeps 1/{n} of the optimizer state, {opt}",
+        ),
+        Strategy(
+            "dp",
+            "jdp.strategies.dp",
+            "PyTorch DataParallel's master: gradients gathered, one device updates, parameters broadcast (a baseline)",
+            one_process=True,
+            master=True,
+            gradients="",
+            instead=("ddp", "zero1"),
+        ),
+    )
+}
+
+
+def names() -> tuple[str, ...]:
+    return tuple(REGISTRY)
+
+
+def get(name: str) -> Strategy:
+    if name not in REGISTRY:
+        raise ValueError(f"strategy={name!r} must be one of {', '.join(REGISTRY)}")
+    return REGISTRY[name]

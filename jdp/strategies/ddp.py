@@ -1,0 +1,74 @@
+"""ddp: jdp's design, PyTorch DDP's. Every device keeps the whole state; each computes the gradients of its own
+rows, they are averaged by one all-reduce per bucket (or a communication hook's reduction), and every replica
+applies the identical update, so the replicas stay bit-identical without ever shipping weights."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import optax
+from jax.sharding import PartitionSpec as P
+
+from jdp.guards import RefusingDonated, checking_rows
+from jdp.hooks import CommHook
+from jdp.mesh import AXIS, Batch
+from jdp.step import LossFn, OptLayout, TrainState, global_grads, hook_states, update
+
+__all__ = ["layout", "make_train_step", "opt_shardings"]
+
+
+def layout(mesh: jax.sharding.Mesh) -> OptLayout:
+    """The optimizer state shaped as the parameters, whole on every device."""
+    return OptLayout()
+
+
+def opt_shardings(shapes, mesh: jax.sharding.Mesh):
+    return layout(mesh).shardings(shapes, mesh)
+
+
+def make_train_step(
+    graphdef,
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    mesh: jax.sharding.Mesh,
+    grad_accum: int = 1,
+    schedule: optax.Schedule | None = None,
+    *,
+    bucket_mb: float = 25.0,
+    reduce_dtype: str = "float32",
+    comm_hook: CommHook | None = None,
+):
+    """The ddp step: gradients averaged by all-reduces of about bucket_mb MiB, or through `comm_hook` (hooks.py;
+    build the state with init_state(..., comm_hook=the same hook))."""
+    if comm_hook is None:
+        grads_of = global_grads(graphdef, loss_fn, mesh.devices.size, grad_accum, bucket_mb, reduce_dtype)
+
+        def step(state: TrainState, batch: Batch):
+            grads, loss, weight, rest = grads_of(state.params, state.rest, batch, state.step)
+            # Every replica applies the identical update to identical parameters: they stay bit-identical.
+            return update(optimizer, schedule, state, grads, loss, weight, rest)
+
+        sharded = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(), P()))
+        return RefusingDonated(jax.jit(checking_rows(sharded, mesh.devices.size, grad_accum), donate_argnums=0))
+
+    grads_of = global_grads(graphdef, loss_fn, mesh.devices.size, grad_accum, bucket_mb, reduce_dtype, comm_hook)
+
+    def hooked(state: TrainState, batch: Batch):
+        expected = sorted(jax.eval_shape(lambda: hook_states(comm_hook, state.params)), key=int)
+        if sorted(state.comm or {}, key=int) != expected:
+            raise ValueError(
+                f"{comm_hook.describe()['hook']} keeps state for parameters {expected[:5]}..., but the train state "
+                f"holds {'none' if state.comm is None else sorted(state.comm, key=int)[:5]}: build it with "
+                f"init_state(..., comm_hook=the same hook)"
+            )
+        # Each device sees its own hook states with a leading axis of 1.
+        mine = jax.tree.map(lambda x: x[0], state.comm)
+        grads, loss, weight, rest, comm = grads_of(state.params, state.rest, batch, state.step, mine)
+        mine = dataclasses.replace(state, comm=mine)
+        new, metrics = update(optimizer, schedule, mine, grads, loss, weight, rest, comm)
+        return dataclasses.replace(new, comm=jax.tree.map(lambda x: x[None], new.comm)), metrics
+
+    spec = TrainState(P(), P(), P(), P(), P(AXIS))
+    sharded = jax.shard_map(hooked, mesh=mesh, in_specs=(spec, P(AXIS)), out_specs=(spec, P()))
+    return RefusingDonated(jax.jit(checking_rows(sharded, mesh.devices.size, grad_accum), donate_argnums=0))

@@ -1,0 +1,141 @@
+"""zero1: ZeRO stage 1 (PyTorch's ZeroRedundancyOptimizer, MaxText's shard_optimizer_over_data). ddp's backward
+and buckets, but each bucket is reduce-scattered, each device updates the optimizer state of its 1/N slice of
+every parameter, and the updated slices are all-gathered: the same bytes as one all-reduce, 1/N of the
+optimizer state per device."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jdp.buckets import Bucket, bucket_plan
+from jdp.guards import RefusingDonated, check_batch
+from jdp.hooks import CommHook
+from jdp.mesh import AXIS, Batch, split_spec
+from jdp.step import LossFn, OptLayout, TrainState, apply_update, keep_if, local_sums, micro_spec
+
+__all__ = ["layout", "make_train_step", "opt_shardings"]
+
+
+def layout(mesh: jax.sharding.Mesh) -> OptLayout:
+    """Every parameter flat and padded to a multiple of the devices, each device holding its slice."""
+    return OptLayout(mesh.devices.size)
+
+
+def opt_shardings(shapes, mesh: jax.sharding.Mesh):
+    return layout(mesh).shardings(shapes, mesh)
+
+
+def _scatter_buckets(grads, buckets: list[Bucket], reduce_dtype: str, n: int):
+    """Sum of the gradients over `data`, each device receiving its slice only: one reduce-scatter per bucket.
+
+    A bucket is laid out as an (n, columns) matrix whose row d holds device d's slice of every gradient in it
+    (each flattened and zero-padded to a multiple of n), so one tiled psum_scatter hands each device its row.
+    Returns, per leaf, this device's slice of the flat padded summed gradient (OptLayout's view, rank kept).
+    """
+    leaves, tree = jax.tree.flatten(grads)
+    out = list(leaves)
+    for bucket in buckets:
+        rows = [jnp.pad(leaves[k].astype(reduce_dtype).ravel(), (0, -leaves[k].size % n)).reshape(n, -1)
+                for k in bucket.leaves]  # fmt: skip
+        mine = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1), AXIS, scatter_dimension=0, tiled=True)[0]
+        offset = 0
+        for k, row in zip(bucket.leaves, rows, strict=True):
+            width = row.shape[1]
+            out[k] = (
+                mine[offset : offset + width]
+                .astype(leaves[k].dtype)
+                .reshape(OptLayout(n).shape(leaves[k])[:-1] + (width,))
+            )
+            offset += width
+    return jax.tree.unflatten(tree, out)
+
+
+def _gather_buckets(slices, like, buckets: list[Bucket], n: int):
+    """Every device's slice of the flat padded parameters -> the full parameters on every device: one all-gather
+    per bucket (the same buckets as the gradients); the padding is cut off here and reaches no parameter."""
+    leaves, tree = jax.tree.flatten(slices)
+    shapes = jax.tree.leaves(like)
+    out = list(leaves)
+    for bucket in buckets:
+        every = jax.lax.all_gather(jnp.concatenate([leaves[k].ravel() for k in bucket.leaves]), AXIS, tiled=False)
+        offset = 0
+        for k in bucket.leaves:
+            width = leaves[k].shape[-1]
+            out[k] = every[:, offset : offset + width].ravel()[: shapes[k].size].reshape(shapes[k].shape)
+            offset += width
+    return jax.tree.unflatten(tree, out)
+
+
+def make_train_step(
+    graphdef,
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    mesh: jax.sharding.Mesh,
+    grad_accum: int = 1,
+    schedule: optax.Schedule | None = None,
+    *,
+    bucket_mb: float = 25.0,
+    reduce_dtype: str = "float32",
+    comm_hook: CommHook | None = None,
+):
+    """ZeRO stage 1 (PyTorch's ZeroRedundancyOptimizer, MaxText's shard_optimizer_over_data): each device keeps
+    the optimizer state of 1/N of every parameter.
+
+    Backward is ddp's, buckets included; each bucket is reduce-scattered instead of all-reduced, so a device
+    receives the mean gradient of its slice only. The optimizer update runs on the slices (jit places it where
+    the slices are: optax's global norm for clipping and `grad_norm` still covers the whole gradient, a scalar
+    all-reduce), and the updated slices are all-gathered bucket by bucket, so every device again holds identical
+    full parameters. Reduce-scatter plus all-gather move the same bytes as one all-reduce.
+    """
+    if comm_hook is not None:
+        raise ValueError("a communication hook reduces ddp's buckets; strategy='zero1' has none to hook")
+    n = mesh.devices.size
+    layout = OptLayout(n)
+    sums = local_sums(graphdef, loss_fn, grad_accum)
+
+    def step(state: TrainState, batch: Batch):
+        check_batch(batch, n, grad_accum)
+        expected = layout.shapes(optimizer, state.params)
+        if [x.shape for x in jax.tree.leaves(state.opt_state)] != [x.shape for x in jax.tree.leaves(expected)]:
+            raise ValueError(
+                "the optimizer state is not laid out for zero1 on this mesh: build it with "
+                "init_state(model, optimizer, mesh, strategy='zero1') (or move it with relayout)"
+            )
+        planned = []  # the buckets, planned per device: the loss may use the `data` axis (SyncBatchNorm)
+
+        def grads_of(params, rest, step, batch):
+            micro = micro_spec(batch, 1, grad_accum)
+            planned.append(buckets := bucket_plan(graphdef, loss_fn, params, rest, micro, bucket_mb, reduce_dtype))
+            grads_sum, loss_sum, weight_sum, new_rest = sums(params, rest, batch, step)
+            loss_total, weight = jax.lax.psum(jnp.stack([loss_sum, weight_sum]), AXIS)
+            # The reduce-scatter sums over devices; dividing by the global token weight gives exactly the
+            # gradient of the global token-weighted mean loss, as ddp's pmean times n / weight does.
+            scale = jnp.where(weight > 0, 1.0 / weight, 0.0)
+            mine = jax.tree.map(lambda g: g * scale, _scatter_buckets(grads_sum, buckets, reduce_dtype, n))
+            return mine, loss_total / weight, weight, new_rest
+
+        specs = jax.tree.map(lambda x: split_spec(max(x.ndim, 1)), state.params)
+        scatter = jax.shard_map(
+            grads_of, mesh=mesh, in_specs=(P(), P(), P(), P(AXIS)), out_specs=(specs, P(), P(), P())
+        )
+        grads, loss, weight, rest = scatter(state.params, state.rest, state.step, batch)
+        buckets = planned[-1]
+        split = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+        params = jax.lax.with_sharding_constraint(layout.view(state.params), split)  # each device's own slice
+        params, opt_state, metrics = apply_update(
+            optimizer, schedule, state.step, params, state.opt_state, grads, loss, weight
+        )
+        opt_state = jax.lax.with_sharding_constraint(opt_state, layout.shardings(expected, mesh))  # stays split
+        # check_vma=False: all_gather's result is typed per-device, but every device holds the same values.
+        gather = jax.shard_map(
+            lambda p: _gather_buckets(p, state.params, buckets, n),
+            mesh=mesh, in_specs=(specs,), out_specs=P(), check_vma=False,
+        )  # fmt: skip
+        rest = keep_if(metrics["skipped"] == 0, rest, state.rest)
+        return TrainState(state.step + 1, gather(params), opt_state, rest), metrics
+
+    return RefusingDonated(jax.jit(step, donate_argnums=0))
