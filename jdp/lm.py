@@ -98,7 +98,11 @@ class Text:
         return self.data.local_batch(step)
 
     def position(self):
+        """Where a streaming loader stands; None for map-style windows, whose position is the step."""
         return self.data.position()
+
+    def load_position(self, position: dict) -> None:
+        self.train.load_state_dict(position)
 
     def epoch(self, step: int) -> float:
         return self.train.epoch(step)

@@ -71,7 +71,7 @@ class Run:
     digest: Callable  # parallel.make_replica_digest
     run_dir: RunDir
     ckpts: Checkpoints
-    record: Callable[[int, dict], dict]  # (step, positions) -> the checkpoint record: every component's state
+    record: Callable[[int], dict]  # step -> the checkpoint record: every component's state (checkpoint.py)
     start: int  # the step this run starts from: 0, or the checkpoint it resumed from
     resumed_from: int | None
     lost_steps: int  # steps a previous attempt ran past that checkpoint
@@ -106,7 +106,7 @@ class Loop:
         self.phases, self.meter, self.is_main = run.phases, run.meter, jax.process_index() == 0
         self.saved = set(run.ckpts.steps())
         self.pending: tuple[int, dict] | None = None  # a dispatched step whose metrics are not fetched yet
-        self.positions: dict[int, object] = {}  # streaming: the loader's position after each step's batch
+        self.positions: dict[int, object] = {}  # a loader's own position after each step's batch (streaming)
         self.last: dict[str, Any] = {}
 
     def go(self) -> Result:
@@ -208,7 +208,7 @@ class Loop:
         run = self.run
         self.check_background_save(wait=True)  # the previous save's error names its own step, not this one
         run.faults.at("save", step)
-        if run.cfg.data.streaming:  # each process's own stream position, beside the checkpoint
+        if self.positions.get(step) is not None:  # a loader with a position of its own: this process's, beside it
             where = run.run_dir.data_state(step, jax.process_index())
             where.parent.mkdir(parents=True, exist_ok=True)
             where.write_text(json.dumps(self.positions[step]))

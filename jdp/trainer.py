@@ -242,8 +242,8 @@ class Trainer:
             return ckpts, None, steps.state
         start, state, record = restored
         state = steps.after_restore(state, record)
-        if cfg.data.streaming:
-            data.train.load_state_dict(stream_position(run_dir, start))
+        if data.position() is not None:  # a loader with a position of its own (streaming) takes it back
+            data.load_position(stream_position(run_dir, start))
         return ckpts, start, state
 
 
@@ -446,7 +446,7 @@ def comm_change(saved: dict | None, now: dict | None) -> str:
 def banner(cfg: Config, world: World, derived, model_line: str, data, run_dir, resumed_from, cache) -> list[str]:
     """The derived numbers, logged once at start: one record per line."""
     par, t = cfg.parallel, cfg.train
-    epochs = "" if cfg.data.streaming else f" | {t.steps} steps = {data.epoch(t.steps):.3f} epochs"
+    epochs = "" if data.position() is not None else f" | {t.steps} steps = {data.epoch(t.steps):.3f} epochs"
     where = "starting at step 0" if resumed_from is None else f"resuming from the checkpoint at step {resumed_from}"
     return [
         f"{world.describe()} | {jax.devices()[0].device_kind} x {derived.n_devices}, "
