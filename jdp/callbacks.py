@@ -18,7 +18,7 @@ from jdp import parallel
 
 Loop = Any  # jdp.loop.Loop, which calls the callbacks (not imported: loop.py imports this module)
 
-__all__ = ["Callback", "Checkpoint", "Evaluate", "ReplicaCheck", "StepInfo", "every"]
+__all__ = ["Callback", "Checkpoint", "Evaluate", "Every", "Periodic", "ReplicaCheck", "StepInfo", "every"]
 
 
 @dataclass
@@ -52,6 +52,10 @@ class Callback:
     def due(self, step: int, last: int) -> bool:
         return False
 
+    def phase(self, loop: Loop, step: int):
+        """The phase it runs in: named in errors, timed in its goodput account, the watchdog paused if asked."""
+        return loop.phases(f"{self.name} at step {step}", self.account, self.pause_watchdog)
+
     def begin(self, loop: Loop) -> None:
         """Before the first step (part of start-up)."""
 
@@ -62,24 +66,32 @@ class Callback:
         pass
 
 
-class Every(Callback):
+class Periodic(Callback):
+    """Due after every `every`-th step before the last (0: never between steps; `end` covers the last)."""
+
+    def __init__(self, every: int):
+        self.every = every
+
+    def due(self, step: int, last: int) -> bool:
+        return bool(self.every) and step % self.every == 0 and step < last
+
+
+class Every(Periodic):
     """A user's function run every `n` steps (and after the last step, with `at_end`): fn(StepInfo)."""
 
     def __init__(self, n: int, fn: Callable[[StepInfo], None], at_end: bool = False, name: str = ""):
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"every(n={n!r}, ...): n must be a whole number of steps, 1 or more")
-        self.n, self.fn, self.at_end = n, fn, at_end
+        super().__init__(n)
+        self.fn, self.at_end = fn, at_end
         self.name = name or getattr(fn, "__name__", "a callback")
-
-    def due(self, step: int, last: int) -> bool:
-        return step % self.n == 0 and step < last
 
     def run(self, loop: Loop, step: int) -> None:
         self.fn(loop.info(step))
 
     def end(self, loop: Loop, preempted: bool) -> None:
         if self.at_end and not preempted:
-            with loop.phases(f"running {self.name} at step {loop.done}"):
+            with self.phase(loop, loop.done):
                 self.fn(loop.info(loop.done))
 
 
@@ -88,17 +100,11 @@ def every(n: int, fn: Callable[[StepInfo], None], *, at_end: bool = False, name:
     return Every(n, fn, at_end, name)
 
 
-class ReplicaCheck(Callback):
+class ReplicaCheck(Periodic):
     """Every `every` steps (and at start): a digest of every device's copy of the parameters and other model state
     must be the same bits on every device, else the run stops naming the devices that differ."""
 
     name, account = "checking the replicas", "replica_checks_s"
-
-    def __init__(self, every: int):
-        self.every = every
-
-    def due(self, step: int, last: int) -> bool:
-        return bool(self.every) and step % self.every == 0 and step < last
 
     def begin(self, loop: Loop) -> None:
         with loop.phases(f"{self.name} at step {loop.done}"):  # part of start-up, not of the goodput account
@@ -114,16 +120,10 @@ class ReplicaCheck(Callback):
             )
 
 
-class Evaluate(Callback):
+class Evaluate(Periodic):
     """Every `every` steps and after the last: the mean loss over every validation example on every device."""
 
     name, account, pause_watchdog = "evaluating", "eval_s", True
-
-    def __init__(self, every: int):
-        self.every = every
-
-    def due(self, step: int, last: int) -> bool:
-        return bool(self.every) and step % self.every == 0 and step < last
 
     def run(self, loop: Loop, step: int) -> None:
         run = loop.run
@@ -137,7 +137,7 @@ class Evaluate(Callback):
 
     def end(self, loop: Loop, preempted: bool) -> None:
         if not preempted:
-            with loop.phases(f"{self.name} at step {loop.done}", self.account, self.pause_watchdog):
+            with self.phase(loop, loop.done):
                 self.run(loop, loop.done)
 
 
@@ -151,24 +151,18 @@ def evaluate(eval_step, state, batches, mesh, batch_size: int) -> tuple[float, f
     return loss_sum / max(weight_sum, 1.0), weight_sum
 
 
-class Checkpoint(Callback):
+class Checkpoint(Periodic):
     """Every `every` steps and at the end (after a preemption too): the train state and every component's state,
     written in the background (checkpoint.py owns the format). A failed background save stops the run at the next
     step boundary, naming its step."""
 
     name, account, pause_watchdog = "saving the checkpoint", "checkpoint_s", True
 
-    def __init__(self, every: int):
-        self.every = every
-
-    def due(self, step: int, last: int) -> bool:
-        return bool(self.every) and step % self.every == 0 and step < last
-
     def run(self, loop: Loop, step: int) -> None:
         loop.save(step)
 
     def end(self, loop: Loop, preempted: bool) -> None:
         if loop.done not in loop.saved:
-            with loop.phases(f"{self.name} at step {loop.done}", self.account, self.pause_watchdog):
+            with self.phase(loop, loop.done):
                 loop.save(loop.done)
         loop.check_background_save(wait=True)

@@ -147,8 +147,7 @@ class Loop:
                 for callback in run.callbacks:
                     if callback.due(self.done, self.t.steps):
                         self.flush()
-                        with self.phases(f"{callback.name} at step {self.done}", callback.account,
-                                         callback.pause_watchdog):  # fmt: skip
+                        with callback.phase(self, self.done):
                             callback.run(self, self.done)
                 run.faults.after_step(self.done, before_dying=self.flush)
             self.flush()
