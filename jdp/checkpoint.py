@@ -318,6 +318,44 @@ class Checkpoints:
             )
         return None
 
+    def restore_model(self, step: int | None, params_like, rest_like) -> tuple[int, object, object]:
+        """(step, params, rest): the model alone from the checkpoint at `step` (None: the newest that restores,
+        warning past damaged ones), verified against the checksums saved with it. No optimizer state is read, so a
+        checkpoint of any strategy or device count loads into `params_like`/`rest_like`'s shapes and placement:
+        what `jdp generate` and `jdp export` need."""
+        steps = self.steps()
+        if step is not None and step not in steps:
+            raise ConfigError(f"{self.dir} has no checkpoint at step {step} (it has {steps or 'none'})")
+        for s in [step] if step is not None else reversed(steps):
+            try:
+                model = self._restore_model(s, {"params": params_like, "rest": rest_like})
+            except Exception as e:
+                if step is not None:
+                    raise ConfigError(
+                        f"checkpoint {self.dir / str(s)} cannot be restored: {type(e).__name__}: {e}"
+                    ) from e
+                self._damaged(s, e)
+                continue
+            return s, model["params"], model["rest"]
+        raise ConfigError(f"none of the checkpoints {steps} in {self.dir} can be restored (see the warnings)")
+
+    def _restore_model(self, step: int, like: dict) -> dict:
+        like = abstract(like)
+        part = ocp.args.PyTreeRestore(  # the "state" item's model only, placed as `like` is
+            item=like, restore_args=ocp.checkpoint_utils.construct_restore_args(like), partial_restore=True
+        )
+        restored = self.manager.restore(step, args=ocp.args.Composite(state=part, record=ocp.args.JsonRestore()))
+        model, record = restored["state"], dict(restored["record"])
+        if "checksums" in record:  # the model's leaves are the state's `.params...` and `.rest...` ones
+            found = {"." + k.removeprefix("['").replace("']", "", 1): v for k, v in checksums(model).items()}
+            saved = {k: v for k, v in record["checksums"].items() if k.startswith((".params", ".rest"))}
+            if differ := sorted(k for k in saved.keys() | found.keys() if saved.get(k) != found.get(k)):
+                raise ChecksumMismatch(
+                    f"its arrays changed after it was written: {len(differ)} of {len(saved)} model leaves differ "
+                    f"from the checksums saved with it ({', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''})"
+                )
+        return model
+
     def restore(self, step: int, state_like, target=None) -> tuple[object, dict]:
         """(state, record) of the checkpoint at `step`, verified against its checksums like restore_latest's."""
         if step not in (steps := self.steps()):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import time
 from pathlib import Path
@@ -13,8 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jdp import hf, parallel
-from jdp.build import build
+from jdp import hf
 from jdp.checkpoint import Checkpoints
 from jdp.config import Config, ConfigError, DataConfig, load_config
 from jdp.log import logger
@@ -53,8 +51,8 @@ def load_run(run_dir: str | Path, step: int | None = None) -> tuple[Config, GPT,
     """(config, model with the checkpoint's parameters, tokenizer, the checkpoint's step), on one device.
 
     `step`: that checkpoint (an error if it is missing or damaged); default the newest that restores. The
-    checkpoint may come from any number of devices and any strategy: orbax restores every leaf onto the one
-    device, in the layout the checkpoint's record names, and verifies it against the checksums saved with it.
+    checkpoint may come from any number of devices and any strategy: only the model is read (no optimizer
+    state), onto the one device, and verified against the checksums saved with it (Checkpoints.restore_model).
     """
     run = RunDir(run_dir)
     try:
@@ -75,28 +73,15 @@ def load_run(run_dir: str | Path, step: int | None = None) -> tuple[Config, GPT,
         steps = ckpts.steps()
         if not steps:
             raise ConfigError(f"{run_dir} has no checkpoint yet ({ckpts.dir} is empty); train it first")
-        # build() gives the state's structure, shapes and shardings on a one-device mesh; it compiles nothing
-        # but the optimizer's init, and the restore overwrites every value.
-        mesh, strategy = parallel.make_mesh(jax.devices()[:1]), cfg.parallel.strategy
-        # Sampling needs no communication hook's state (PowerSGD's error buffers): it is left unread.
-        built = build(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, compression="none")), mesh)
-        graphdef, state, optimizer = built.graphdef, built.state, built.optimizer
-
-        def target(record):
-            return parallel.restore_target(state, optimizer, mesh, strategy, parallel.OptLayout.of_record(record))
-
-        if step is not None:
-            state, _ = ckpts.restore(step, state, target)
-        else:
-            try:
-                step, state, _ = ckpts.restore_latest(state, target=target)
-            except ConfigError as e:
-                raise ConfigError(
-                    f"none of the checkpoints {steps} in {ckpts.dir} can be restored (see the warnings)"
-                ) from e
+        # The model's structure, shapes and placement on one device (nothing is computed); the checkpoint's model
+        # alone is read into it, whatever strategy or device count wrote it, and checked against its checksums.
+        graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: GPT(cfg.model, nnx.Rngs(0))), nnx.Param, ...)
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        params, rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), (params, rest))
+        step, params, rest = ckpts.restore_model(step, params, rest)
     finally:
         ckpts.close()
-    return cfg, nnx.merge(graphdef, state.params, state.rest), tokenizer, step
+    return cfg, nnx.merge(graphdef, params, rest), tokenizer, step
 
 
 # No KV cache: each new token runs the whole forward on the fixed-size window and reads the logits at one
