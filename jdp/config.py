@@ -290,11 +290,12 @@ class Derived:
     per_device_batch: int
     micro_batch: int  # sequences per device per micro-batch
     tokens_per_step: int
+    unit: str = "tokens"  # what tokens_per_step counts: a library model's rows are "examples"
 
     def describe(self) -> str:
         return (
             f"devices {self.n_devices} over {self.n_processes} process(es) | per-device batch "
-            f"{self.per_device_batch} ({self.micro_batch} x grad_accum) | tokens/step {self.tokens_per_step:,}"
+            f"{self.per_device_batch} ({self.micro_batch} x grad_accum) | {self.unit}/step {self.tokens_per_step:,}"
         )
 
 

@@ -117,7 +117,7 @@ class Trainer:
     def check(self, mesh: jax.sharding.Mesh) -> Derived:
         """Everything about the config alone that can be wrong, checked before anything is written."""
         derived = validate(self.cfg, mesh.devices.size, jax.process_count())
-        return dataclasses.replace(derived, tokens_per_step=self.cfg.train.batch_size)
+        return dataclasses.replace(derived, tokens_per_step=self.cfg.train.batch_size, unit=self.unit)
 
     def load_data(self, rows: slice) -> tuple[Any, Any]:
         """(training loader, evaluation loader or None) for this process's `rows` of every global batch."""
