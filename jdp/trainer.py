@@ -323,7 +323,17 @@ def build_steps(model, loss_fn, optimizer, mesh, cfg: Config, schedule=None, com
 
 def _loader(data, rows: slice, cfg: Config, collate, train: bool):
     """A loader of `data` for this process's rows: itself, what a function makes of the rows, or jdp's Dataset."""
-    if data is None or hasattr(data, "local_batch") or hasattr(data, "eval_batches"):
+    if data is None:
+        return None
+    if hasattr(data, "local_batch") or hasattr(data, "eval_batches"):  # a loader already: it must read our rows
+        made = (getattr(data, "rows", rows), getattr(data, "batch_size", cfg.train.batch_size))
+        if made != (rows, cfg.train.batch_size):
+            raise ConfigError(
+                f"the {'training' if train else 'evaluation'} loader reads rows {made[0].start}:{made[0].stop} of "
+                f"global batches of {made[1]}, but this process's share is rows {rows.start}:{rows.stop} of "
+                f"train.batch_size={cfg.train.batch_size}: pass the dataset itself and the trainer makes the loader, "
+                f"or build it with batch_size=train.batch_size and rows=jdp.process_rows(train.batch_size, mesh)"
+            )
         return data
     if callable(data) and not hasattr(data, "__getitem__"):
         return data(rows)

@@ -93,6 +93,12 @@ def test_callbacks_own_their_cadence_and_see_the_state(tmp_path):
 def test_bad_input_is_refused_before_anything_runs(tmp_path):
     with pytest.raises(jdp.ConfigError, match="train.run_dir is empty"):
         jdp.Trainer(MLP(nnx.Rngs(0)), mse, optax.adam(1e-2), data(64, 0), jdp.Config())
+    own = jdp.Loader(data(256, 0), 16)  # a loader of one's own: rows 0:16, this one process's share
+    assert jdp.Trainer(MLP(nnx.Rngs(0)), mse, optax.adam(1e-2), own, config(tmp_path / "ok")).fit()["loss"]
+    with pytest.raises(
+        jdp.ConfigError, match="reads rows 0:8 of global batches of 8, but this process's share is rows 0:16"
+    ):
+        jdp.Trainer(MLP(nnx.Rngs(0)), mse, optax.adam(1e-2), jdp.Loader(data(256, 0), 8), config(tmp_path / "x")).fit()
     with pytest.raises(jdp.ConfigError, match="train.batch_size=18 is not divisible by devices"):
         fit(tmp_path / "bad", None, (), "train.batch_size=18")
     assert not (tmp_path / "bad").exists()
