@@ -291,10 +291,11 @@ def test_an_error_in_a_background_save_ends_the_run_with_its_message(small, monk
 
 
 def _alter_in_place(path: Path) -> None:
-    """Change bytes in the middle of a file, keeping its size: what a bad disk or a stray write does."""
+    """Change 16 bytes in every 4 KiB of a file, keeping its size: what a bad disk or a stray write does."""
     data = bytearray(path.read_bytes())
-    for i in range(len(data) // 2, len(data) // 2 + 64):
-        data[i] ^= 0x5A
+    for start in range(2048, len(data), 4096):
+        for i in range(start, min(start + 16, len(data))):
+            data[i] ^= 0x5A
     path.write_bytes(bytes(data))
 
 
@@ -302,10 +303,12 @@ def test_a_checkpoint_altered_after_it_was_written_is_set_aside_like_a_truncated
     from jdp.generate import load_run
 
     train(small("train.steps=8", "train.ckpt_every=4"))
-    biggest = max(
-        (p for p in (tmp_path / "run/checkpoints/8/state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size
-    )
-    _alter_in_place(biggest)
+    # Every array file of the checkpoint (orbax's data files, under d/), so that the model's arrays are hit too:
+    # jdp generate reads the model alone, and damage to the optimizer state alone would rightly not concern it.
+    data_files = [p for p in (tmp_path / "run/checkpoints/8/state").rglob("d/*") if p.is_file()]
+    assert sum(p.stat().st_size for p in data_files) > 100_000, data_files
+    for path in data_files:
+        _alter_in_place(path)
     capsys.readouterr()
     assert load_run(tmp_path / "run")[3] == 4  # jdp generate reads through the same check (and moves nothing)
     assert ckpt_steps(tmp_path / "run") == [4, 8]
