@@ -66,10 +66,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--batch-stats", choices=("global", "local"), default="global")
     p.add_argument("--ckpt-every", type=int, default=50)
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="more config, as jdp train takes it")
     args = p.parse_args(argv)
     config = jdp.load_config(None, [
         f"train.run_dir={args.run_dir}", f"train.steps={args.steps}", f"train.batch_size={args.batch_size}",
-        f"train.ckpt_every={args.ckpt_every}", "train.eval_every=100", "train.log_every=10",
+        f"train.ckpt_every={args.ckpt_every}", "train.eval_every=100", "train.log_every=10", *args.overrides,
     ])  # fmt: skip
     trainer = jdp.Trainer(
         lambda: CNN(nnx.Rngs(config.train.seed), batch_stats=args.batch_stats),  # built once the job has started

@@ -44,6 +44,7 @@ _EXPORTS = {
     "Trainer": "jdp.trainer",
     "RunError": "jdp.trainer",
     "every": "jdp.callbacks",
+    "Callback": "jdp.callbacks",
     "StepInfo": "jdp.callbacks",
     "Loader": "jdp.dataset",
     "RowDropout": "jdp.nn",
@@ -51,6 +52,7 @@ _EXPORTS = {
 __all__ = [
     "AXIS",
     "GPT",
+    "Callback",
     "Config",
     "ConfigError",
     "Loader",
@@ -91,7 +93,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from jdp.callbacks import StepInfo, every
+    from jdp.callbacks import Callback, StepInfo, every
     from jdp.config import Config, ConfigError, load_config
     from jdp.dataset import Loader
     from jdp.lm import train

@@ -15,10 +15,22 @@ from typing import Any
 import jax
 
 from jdp import parallel
+from jdp.config import ConfigError
 
 Loop = Any  # jdp.loop.Loop, which calls the callbacks (not imported: loop.py imports this module)
 
-__all__ = ["Callback", "Checkpoint", "Evaluate", "Every", "Periodic", "ReplicaCheck", "StepInfo", "every"]
+__all__ = [
+    "POINTS",
+    "Callback",
+    "Checkpoint",
+    "Evaluate",
+    "Every",
+    "Periodic",
+    "ReplicaCheck",
+    "StepInfo",
+    "every",
+    "imported",
+]
 
 
 @dataclass
@@ -43,7 +55,13 @@ class StepInfo:
 class Callback:
     """Work between steps. `begin(loop)` runs before the first step; `due(step, last)` says whether to run after
     `step` (`last`: the run's final step) and `run(loop, step)` does it; `end(loop, preempted)` runs once after the
-    last step (or the agreed step of a preemption)."""
+    last step (or the agreed step of a preemption).
+
+    Two more ways in, for work that must happen at a precise point rather than between steps: `on_batch(loop,
+    step, local)` sees (and returns) this process's rows of step `step` before it runs, and `at(loop, point, step)`
+    is called at each of the loop's named POINTS. jdp's own tests inject their faults this way (tests/inject.py);
+    a callback is registered with `Trainer(callbacks=[...])` or, for `jdp train`, `train.callbacks=module:name`.
+    """
 
     name = "a callback"
     account: str | None = None  # the goodput part its time counts to (None: training time)
@@ -64,6 +82,48 @@ class Callback:
 
     def end(self, loop: Loop, preempted: bool) -> None:
         pass
+
+    def on_batch(self, loop: Loop, step: int, local: dict) -> dict:
+        """This process's rows of step `step` (1-based), just before the step runs: return them (or others)."""
+        return local
+
+    def at(self, loop: Loop, point: str, step: int) -> None:
+        """At one of POINTS of step `step`."""
+
+
+POINTS = {
+    "log": "the step's metrics are about to be written",
+    "eval": "evaluation is about to start",
+    "replicas": "the replica check is about to compare the devices' digests (loop.state may still be changed)",
+    "save": "the checkpoint is about to be written",
+    "saving": "the checkpoint's background write has just started",
+    "step_end": "every callback due after the step has run",
+}
+
+
+def imported(spec: str) -> list[Callback]:
+    """The callbacks `train.callbacks` names: `module:name[,module:name...]`, each name a Callback subclass or a
+    function of no arguments returning a Callback. Every problem is a ConfigError, before any compute."""
+    import importlib
+
+    out = []
+    for item in (part.strip() for part in spec.split(",") if part.strip()):
+        where = f"train.callbacks={spec!r}"
+        module_name, _, attr = item.partition(":")
+        if not module_name or not attr:
+            raise ConfigError(f"{where}: {item!r} is not module:name (e.g. mypackage.hooks:SampleText)")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise ConfigError(f"{where}: cannot import {module_name!r} ({e}); is it on PYTHONPATH?") from e
+        if not callable(factory := getattr(module, attr, None)):
+            raise ConfigError(f"{where}: module {module_name!r} has no callable {attr!r}")
+        if not isinstance(callback := factory(), Callback):
+            raise ConfigError(
+                f"{where}: {item}() returned a {type(callback).__name__}, not a jdp.Callback (subclass jdp.Callback)"
+            )
+        out.append(callback)
+    return out
 
 
 class Periodic(Callback):
@@ -112,7 +172,7 @@ class ReplicaCheck(Periodic):
 
     def run(self, loop: Loop, step: int) -> None:
         run = loop.run
-        loop.state.params = run.faults.replicas(step, loop.state.params)
+        loop.notify("replicas", step)
         tree = {"params": loop.state.params, "rest": loop.state.rest}
         if bad := parallel.replica_digest_mismatches(run.digest, tree, run.mesh):
             raise RuntimeError(
@@ -127,7 +187,7 @@ class Evaluate(Periodic):
 
     def run(self, loop: Loop, step: int) -> None:
         run = loop.run
-        run.faults.at("eval", step)
+        loop.notify("eval", step)
         loss, weight = evaluate(run.eval_step, loop.state, run.eval_data.eval_batches(), run.mesh, run.batch_size)
         run.log.write({"step": step, "eval_loss": loss, f"eval_{run.unit}": weight})
         loop.last.update(eval_loss=loss)

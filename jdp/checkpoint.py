@@ -43,7 +43,7 @@ RESUMABLE_CHANGES = {
     "train.steps", "train.log_every", "train.eval_every", "train.progress", "train.run_dir", "train.ckpt_every",
     "train.ckpt_keep", "train.resume", "train.check_replicas_every", "train.step_timeout_s", "train.max_bad_steps",
     "data.prefetch", "data.num_proc", "data.cache_dir", "train.tensorboard", "train.wandb_project", "train.compile_cache",
-    "parallel.init_timeout_s", "parallel.heartbeat_timeout_s", "parallel.coordinator_bind",
+    "parallel.init_timeout_s", "parallel.heartbeat_timeout_s", "parallel.coordinator_bind", "train.callbacks",
     # How gradients travel changes rounding, not the state: a run may resume with another strategy or bucketing,
     # or switch gradient compression on or off (the hook's state starts afresh when it is not the saved one's).
     "parallel.strategy", "parallel.bucket_mb", "parallel.reduce_dtype", "parallel.compression",

@@ -113,6 +113,7 @@ class TrainConfig:
     wandb_project: str = ""  # a Weights & Biases project name switches W&B logging on (needs `pip install wandb`)
     compile_cache: bool = True  # JAX's persistent compilation cache under the jdp cache: restarts skip compiling
     init_from: str = ""  # a local Hugging Face GPT-2 directory to start from (a resumed run uses its checkpoint)
+    callbacks: str = ""  # module:name[,module:name]: jdp.Callback objects of your own, run after jdp's (callbacks.py)
     memory_check: bool = True  # refuse, before allocating, a run whose planned bytes per device exceed the device's
 
 

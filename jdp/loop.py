@@ -18,7 +18,6 @@ from jdp.checkpoint import Checkpoints
 from jdp.config import Config
 from jdp.coordination import StopAgreement, Watchdog
 from jdp.data import Prefetcher
-from jdp.faults import Faults
 from jdp.log import logger
 from jdp.metrics import GOODPUT_PARTS, MetricsLog, StepMeter, describe_goodput, goodput
 from jdp.rundir import RunDir
@@ -78,7 +77,6 @@ class Run:
     log: MetricsLog
     meter: StepMeter
     phases: Phases
-    faults: Faults
     callbacks: list[Callback] = field(default_factory=list)
     unit: str = "tokens"  # what the loss weight counts: tokens, examples
     handle_signals: bool = True  # SIGTERM/SIGINT stop every process at an agreed step and save there
@@ -149,7 +147,7 @@ class Loop:
                         self.flush()
                         with callback.phase(self, self.done):
                             callback.run(self, self.done)
-                run.faults.after_step(self.done, before_dying=self.flush)
+                self.notify("step_end", self.done)
             self.flush()
             return preempted
         except BaseException:
@@ -164,7 +162,8 @@ class Loop:
     def step(self, step: int, local: dict, position) -> None:
         """Dispatch step `step` (1-based), then fetch the previous step's metrics: the device never waits on us."""
         run = self.run
-        local = run.faults.batch(step, local)
+        for callback in run.callbacks:
+            local = callback.on_batch(self, step, local)
         self.positions[step] = position
         with self.phases(f"running step {step}", "compile_s" if step == run.start + 1 else None):  # the first compiles
             self.state, metrics = run.train_step(self.state, parallel.shard_batch(local, run.mesh, self.t.batch_size))
@@ -192,12 +191,17 @@ class Loop:
                 f"is step {self.newest_checkpoint_before(step)}. Lower optim.lr or check the data"
             )
         if record := self.meter.record(step, m, self.loader.wait_s):
-            self.run.faults.at("log", step)
+            self.notify("log", step)
             self.run.log.write(record)
             self.last.update(record)
         tps = f"{self.meter.tps:,.0f}" if self.meter.tps else "-"
         self.bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=tps, refresh=False)
         self.bar.update(1)
+
+    def notify(self, point: str, step: int) -> None:
+        """Every callback's `at(self, point, step)`: one of callbacks.POINTS has been reached."""
+        for callback in self.run.callbacks:
+            callback.at(self, point, step)
 
     def info(self, step: int) -> StepInfo:
         return StepInfo(step, self.state, self.run.graphdef, dict(self.last), self.run.run_dir, self.is_main)
@@ -206,7 +210,7 @@ class Loop:
         """Write checkpoint `step` in the background (never one holding a NaN or an Inf)."""
         run = self.run
         self.check_background_save(wait=True)  # the previous save's error names its own step, not this one
-        run.faults.at("save", step)
+        self.notify("save", step)
         if self.positions.get(step) is not None:  # a loader with a position of its own: this process's, beside it
             where = run.run_dir.data_state(step, jax.process_index())
             where.parent.mkdir(parents=True, exist_ok=True)
@@ -219,7 +223,7 @@ class Loop:
             )
         run.ckpts.save(step, self.state, run.record(step))
         self.saved.add(step)
-        run.faults.after_save_started(step)
+        self.notify("saving", step)
 
     def check_background_save(self, wait: bool = False) -> None:
         """Stop at this step boundary if the checkpoint being written in the background failed (or `wait` for it)."""

@@ -23,12 +23,11 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from jdp import parallel, strategies
-from jdp.callbacks import Callback, Checkpoint, Evaluate, ReplicaCheck
+from jdp.callbacks import Callback, Checkpoint, Evaluate, ReplicaCheck, imported
 from jdp.checkpoint import Checkpoints, check_resumable, config_differences, make_record
 from jdp.config import Config, ConfigError, Derived, save_config, validate
 from jdp.coordination import PeerMonitor, announce_departure, first_departure
 from jdp.corpus import cache_root
-from jdp.faults import Faults
 from jdp.hooks import CommHook
 from jdp.log import PLAIN, logger, set_rank
 from jdp.loop import Loop, Phases, Result, Run
@@ -106,7 +105,8 @@ class Trainer:
         if not self.cfg.train.run_dir:
             raise ConfigError("train.run_dir is empty: give the trainer a run directory (config.train.run_dir)")
         self.model, self.loss_fn, self.optimizer, self.schedule = model, loss_fn, optimizer, schedule
-        self.data, self.eval_data, self.comm_hook, self.callbacks = data, eval_data, comm_hook, list(callbacks)
+        self.data, self.eval_data, self.comm_hook = data, eval_data, comm_hook
+        self.callbacks = [*callbacks, *imported(self.cfg.train.callbacks)]  # a named one that fails to load: now
         self.handle_signals, self.world, self.flops_per_row = handle_signals, world, flops_per_row
         self.collate = collate
         self.mesh = mesh  # default: every device of every process (jdp.make_mesh())
@@ -226,7 +226,7 @@ class Trainer:
         return Run(
             cfg, mesh, data, eval_data, steps.graphdef, state, steps.train_step, steps.eval_step,
             parallel.make_replica_digest(mesh), run_dir, ckpts, record, start, resumed_from, lost, metrics, meter,
-            phases, Faults(), callbacks, self.unit, self.handle_signals,
+            phases, callbacks, self.unit, self.handle_signals,
         )  # fmt: skip
 
     def restore(self, run_dir: RunDir, steps: Steps, data) -> tuple[Checkpoints, int | None, Any]:

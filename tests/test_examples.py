@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import inject
 import pytest
 
 from jdp.metrics import read_metrics
@@ -27,7 +28,10 @@ def classifier(run_dir, env, layout=(1, 4), hooks=None, check=True, script="clas
     """The example as one process with N devices, or through `jdp launch` as P processes x D devices."""
     nproc, devices = layout
     cmd = [sys.executable, str(ROOT / "examples" / script), "--run-dir", str(run_dir), *args]
-    env = {**env, **(hooks or {}), "JAX_PLATFORMS": "cpu"}
+    if hooks:  # faults to inject: the tests' own callback (tests/inject.py), given as a config override
+        env, override = inject.register(env, **hooks)
+        cmd.append(override)
+    env = {**env, "JAX_PLATFORMS": "cpu"}
     if nproc == 1:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     else:

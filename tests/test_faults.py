@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import inject
 import pytest
 
 from jdp.config import ConfigError, load_config
@@ -32,7 +33,9 @@ def run(run_dir, env, layout=(1, 4), extra=(), hooks=None, check=True, timeout=3
     """`jdp train` as one process with N devices, or through `jdp launch` as P processes x D devices."""
     nproc, devices = layout
     args = ["train", "configs/tiny.yaml", *SMALL, f"train.run_dir={run_dir}", *extra]
-    env = {**env, **(hooks or {})}
+    if hooks:  # faults to inject: the tests' own callback (tests/inject.py), registered for this run
+        env, override = inject.register(env, **hooks)
+        args.append(override)
     if nproc == 1:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     else:
@@ -196,7 +199,7 @@ def small(tmp_path, env, monkeypatch):
 
 def test_injected_nan_is_skipped_and_too_many_stop_the_run(small, tmp_path, monkeypatch):
     monkeypatch.setenv("JDP_TEST_NAN_STEPS", "3")
-    result = train(small("train.steps=5", "train.check_replicas_every=1", "train.ckpt_every=0"))
+    result = train(small("train.steps=5", "train.check_replicas_every=1", "train.ckpt_every=0", inject.OVERRIDE))
     records = {r["step"]: r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r}
     assert records[3]["skipped_steps"] == 1 and records[5]["skipped_total"] == 1
     assert records[3]["loss"] != records[3]["loss"]  # NaN reported, not hidden
@@ -211,6 +214,7 @@ def test_injected_nan_is_skipped_and_too_many_stop_the_run(small, tmp_path, monk
                 "train.max_bad_steps=2",
                 "train.ckpt_every=2",
                 "train.run_dir=" + str(tmp_path / "bad"),
+                inject.OVERRIDE,
             )
         )
     # Step 4's update was skipped, so its checkpoint holds step 3's finite parameters; nothing is saved after
@@ -236,7 +240,7 @@ def test_overflowing_update_is_never_checkpointed(small, tmp_path):
 def test_injected_replica_divergence_is_detected(small, monkeypatch):
     monkeypatch.setenv("JDP_TEST_DIVERGE", "4")
     with pytest.raises(RunError, match="replicas diverged at step 4") as info:
-        train(small("train.steps=8", "train.check_replicas_every=2"))
+        train(small("train.steps=8", "train.check_replicas_every=2", inject.OVERRIDE))
     assert "TFRT_CPU_3" in str(info.value) or "id=3" in str(info.value) or "cpu:3" in str(info.value)
 
 

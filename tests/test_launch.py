@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import inject
 import psutil
 import pytest
 
@@ -51,6 +52,7 @@ def run_layout(tmp_path, env, nproc, devices_each):
 
 
 def test_launch_layouts_train_exactly_like_one_process(tmp_path, env):
+    """launch-2x2 (docs/multihost.md's first command, with a smaller model): 2 x 2 and 4 x 1 = 1 x 4."""
     base_metrics, base_summary = run_layout(tmp_path, env, 1, 4)
     for nproc, devices_each in [(2, 2), (4, 1)]:
         metrics, summary = run_layout(tmp_path, env, nproc, devices_each)
@@ -233,7 +235,8 @@ def test_a_process_that_leaves_outside_a_step_is_named_by_the_others_within_seco
         argv = ["-m", "jdp.cli", "train", "configs/tiny.yaml", *SMALL, "train.steps=100000", f"train.run_dir={d}"]
         argv += ["train.ckpt_every=5", "train.eval_every=5", "data.val_tokens=4096"]
         start = time.monotonic()
-        results = spawn(argv, 2, 1, env={**env, "JDP_TEST_FAIL": f"5:{where}:{pid}"}, timeout=240)
+        faulty, override = inject.register(env, JDP_TEST_FAIL=f"5:{where}:{pid}")
+        results = spawn([*argv, override], 2, 1, env=faulty, timeout=240)
         assert time.monotonic() - start < 200
         phase = {"save": "saving the checkpoint at step 5", "log": "running step 5", "eval": "evaluating at step 5"}
         # Process 0 may be aborted by JAX as its peers go, after its own message.

@@ -90,6 +90,51 @@ def test_callbacks_own_their_cadence_and_see_the_state(tmp_path):
     assert len({b for _, b, _ in seen}) == 3  # the model the callback sees is the trained one at each step
 
 
+RECORDER = """
+import jdp
+
+class Recorder(jdp.Callback):
+    seen = []
+
+    def on_batch(self, loop, step, local):
+        Recorder.seen.append(("batch", step, len(local["x"])))
+        return local
+
+    def at(self, loop, point, step):
+        Recorder.seen.append((point, step))
+
+def not_a_callback():
+    return 42
+"""
+
+
+def test_a_callback_named_in_the_config_sees_every_batch_and_the_loops_named_points(tmp_path, monkeypatch):
+    """named-callback (docs/training.md): `train.callbacks=module:name` is read by the trainer `jdp train` runs on."""
+    (tmp_path / "mine.py").write_text(RECORDER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from mine import Recorder
+
+    fit(tmp_path / "run", None, (), "train.callbacks=mine:Recorder", "train.check_replicas_every=6")
+    seen = Recorder.seen
+    assert [e for e in seen if e[0] == "batch"] == [("batch", s, 16) for s in range(1, 13)]
+    assert set(jdp.callbacks.POINTS) == {e[0] for e in seen} - {"batch"}  # every point is reached
+    assert [s for p, s, *_ in seen if p == "log"] == [4, 8, 12]
+    assert [s for p, s, *_ in seen if p == "eval"] == [6, 12]
+    assert [s for p, s, *_ in seen if p == "replicas"] == [0, 6]  # at start, then every 6 (not the last step)
+    assert [s for p, s, *_ in seen if p == "save"] == [s for p, s, *_ in seen if p == "saving"] == [4, 8, 12]
+    assert [s for p, s, *_ in seen if p == "step_end"] == list(range(1, 13))
+    assert seen.index(("save", 4)) < seen.index(("step_end", 4)) < seen.index(("batch", 5, 16))
+    for spec, message in [
+        ("mine", "'mine' is not module:name"),
+        ("nowhere_at_all:X", "cannot import 'nowhere_at_all'"),
+        ("mine:Missing", "module 'mine' has no callable 'Missing'"),
+        ("mine:not_a_callback", r"mine:not_a_callback\(\) returned a int, not a jdp.Callback"),
+    ]:
+        with pytest.raises(jdp.ConfigError, match=f"train.callbacks='{spec}': {message}"):
+            fit(tmp_path / "bad", None, (), f"train.callbacks={spec}")
+        assert not (tmp_path / "bad").exists()  # refused before anything ran
+
+
 def test_bad_input_is_refused_before_anything_runs(tmp_path):
     with pytest.raises(jdp.ConfigError, match="train.run_dir is empty"):
         jdp.Trainer(MLP(nnx.Rngs(0)), mse, optax.adam(1e-2), data(64, 0), jdp.Config())
