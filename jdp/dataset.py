@@ -1,7 +1,9 @@
-"""Data for any model: the global order of rows, and a loader over any indexable source of rows.
+"""Data for any model: the global order of rows, a loader over any indexable source of rows, and one over a stream.
 
 The order is the one the text pipeline uses (data.py's windows are rows too): global batch `step` is a pure
 function of `(seed, step)`, the same for every number of processes, and each process reads only its rows of it.
+A stream (`datasets.IterableDataset`) has no such order: each process reads its own shards in turn (`StreamLoader`,
+stream.py's approach for text).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import numpy as np
 
 from jdp.config import ConfigError
 
-__all__ = ["GlobalOrder", "Loader"]
+__all__ = ["GlobalOrder", "Loader", "StreamLoader"]
 
 Batch = dict[str, np.ndarray]
 _NUMERIC = "biufc"  # bool, int, uint, float, complex: what a device array can hold
@@ -65,7 +67,15 @@ class Loader:
     `local_batch(step)` reads only this process's `rows` of global batch `step` and stacks each column (or hands
     the rows to `collate`, PyTorch's convention). `train=False` is for an evaluation set, which may hold fewer
     rows than one global batch. Problems are found on a sample at construction, before anything compiles.
+    A `datasets.IterableDataset` has no random access: `Loader(stream, ...)` returns a `StreamLoader`.
     """
+
+    def __new__(cls, source: Any = None, *args, **kwargs):
+        # The trainer (and a user) write Loader(data, ...) for any data; a stream needs another reader. A returned
+        # object that is not a Loader skips Loader.__init__, so the StreamLoader is built once, here.
+        if _is_stream(source):
+            return StreamLoader(source, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -102,11 +112,7 @@ class Loader:
             batch = _check_collated(self.collate(self.source.rows(idx)), len(idx))
         else:
             batch = self.source.columns(idx)
-        if "valid" in batch:
-            raise ConfigError(
-                "the data has a column named 'valid', which jdp reserves for marking evaluation padding; rename it"
-            )
-        return batch
+        return _unreserved(batch)
 
     def local_batch(self, step: int) -> Batch:
         """This process's rows of global batch `step`, in global order."""
@@ -134,19 +140,267 @@ class Loader:
         return f"{self.n:,} rows | {cols} | {self.n / self.batch_size:,.2f} batches of {self.batch_size} per epoch"
 
 
+class StreamLoader:
+    """Batches of a Hugging Face `datasets.IterableDataset` (any columns) as it streams: `Loader(stream, ...)`.
+
+    This process reads its own shards (`datasets.distributed.split_dataset_by_node`), in order: no shuffle buffer,
+    since `datasets` cannot restore one's contents on resume. Its rank and the number of processes are its `rows`'
+    place in the global batch (rows k*r:(k+1)*r of batch_size are process k of batch_size/r, as
+    `jdp.process_rows` hands them out), so the trainer needs to say nothing more. Each `local_batch` takes the next
+    r rows; when this process's shards run out it starts its next epoch over them (a batch is carried across,
+    never padded), so no process waits for rows another lacks. `position()` is the exact place after the last
+    batch (the dataset's own `state_dict()`), which the trainer saves beside each checkpoint and hands back to
+    `load_position()` on resume. Unlike the map-style order, the batches depend on the number of processes, steps
+    come in order, and epochs are per process; `seed` has no effect (the order is the stream's).
+
+    `train=False` (an evaluation set): `eval_batches()` has every process read the whole stream and keep its rows of
+    each global batch, so every row is evaluated once and every process sees as many batches.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        collate: Callable[[list[dict]], Batch] | None = None,
+        rows: slice | None = None,
+        train: bool = True,
+    ):
+        self.batch_size, self.seed, self.collate, self.train = batch_size, seed, collate, train
+        self.rows = rows if rows is not None else slice(0, batch_size)
+        self.rank, self.world, self.n_rows = _process_of(self.rows, batch_size)
+        if _shuffle_buffered(source):
+            raise ConfigError(
+                "the stream is shuffled with a buffer (IterableDataset.shuffle), whose contents datasets cannot "
+                "restore on resume; shuffle the rows before streaming them (write shuffled files, or "
+                "Dataset.shuffle(seed=...) before to_iterable_dataset())"
+            )
+        # Rows come as one-row Arrow tables (the fastest way through datasets, and its state_dict stays exact); a
+        # batch of them is read to numpy as the map-style path reads its rows
+        from datasets.formatting import get_formatter
+
+        self.base = source.with_format("arrow")
+        self._formatter = get_formatter("numpy", features=source.features)
+        self.n_shards = int(getattr(source, "num_shards", None) or source.n_shards)  # older datasets: n_shards
+        self.epoch_count = self.next_step = self.n_read = self._in_epoch = 0
+        self._node, self._it, self._loaded = self._split(0), None, None
+        self._epochs = {0: 0}  # batches read -> this process's epoch after them; the metrics ask a few steps late
+        self.columns = {k: (v.shape[1:], v.dtype) for k, v in self._sample().items()}
+
+    def _split(self, epoch: int):
+        from datasets.distributed import split_dataset_by_node
+
+        node = split_dataset_by_node(self.base, rank=self.rank, world_size=self.world)
+        node.set_epoch(epoch)  # datasets >= 4 also reorders the shards by epoch; a restored position names its own
+        return node
+
+    def _sample(self) -> Batch:
+        """The first rows this process reads (of the whole stream for evaluation), checked before any compute."""
+        source, want = (self._split(0), self.n_rows) if self.train else (self.base, self.batch_size)
+        rows = []
+        for row in source:
+            rows.append(row)
+            if len(rows) >= min(want, _SAMPLE):
+                break
+        if not rows and self.train:
+            shards = f"{self.n_shards} shard{'s' * (self.n_shards != 1)}"
+            raise ConfigError(
+                f"process {self.rank} of {self.world} got no rows from the stream ({shards}); give the dataset at "
+                f"least as many shards as processes (more files, or to_iterable_dataset(num_shards=N))"
+            )
+        if not rows:
+            raise ConfigError("the evaluation stream holds no rows")
+        return self._collate(rows, np.arange(len(rows)))
+
+    def _numpy(self, rows: list) -> dict[str, Any]:
+        """One-row tables as datasets' numpy format would give them (numbers and even lists straight from Arrow)."""
+        import pyarrow as pa
+
+        table = pa.concat_tables(rows, promote_options="default")  # a column's type may be unknown in a few rows
+        out = {
+            k: _arrow_numpy(table.column(k)) if _plain(table.schema.field(k).type, pa) else None
+            for k in table.column_names
+        }
+        if slow := [k for k, v in out.items() if v is None]:
+            out.update(self._formatter.format_batch(table.select(slow)))
+        return out
+
+    def _collate(self, rows: list, idx: np.ndarray) -> Batch:
+        cols = self._numpy(rows)
+        if self.collate is not None:
+            return _unreserved(_check_collated(self.collate(_as_rows(cols, len(rows))), len(rows)))
+        try:
+            return _unreserved(_stacked(cols, idx))
+        except ConfigError as e:
+            if " row " not in str(e):  # only a shape or dtype that differs names rows
+                raise
+            raise ConfigError(
+                f"{e} (rows counted in the order process {self.rank} of {self.world} reads the stream)"
+            ) from None
+
+    def _next_row(self):
+        while True:
+            if self._it is None:
+                self._it = iter(self._node)
+            try:
+                row = next(self._it)
+            except StopIteration:
+                if self._in_epoch == 0:
+                    raise ConfigError(
+                        f"process {self.rank} of {self.world} got no rows from the stream in its epoch "
+                        f"{self.epoch_count}; give the dataset at least as many non-empty shards as processes"
+                    ) from None
+                # A fresh split for the next epoch: a restored dataset would otherwise restart mid-epoch again.
+                self.epoch_count += 1
+                self._node, self._it, self._in_epoch = self._split(self.epoch_count), None, 0
+                continue
+            self._in_epoch += 1
+            self.n_read += 1
+            return row
+
+    def local_batch(self, step: int) -> Batch:
+        """This process's next `rows` rows of the stream, as batch `step` (steps come in order: 0, 1, ...)."""
+        if step != self.next_step:
+            raise ConfigError(
+                f"a stream is read in order: batch {step} was asked for, but the next one is {self.next_step}; to "
+                f"resume elsewhere, hand a saved position() to load_position()"
+            )
+        first = self.n_read
+        rows = [self._next_row() for _ in range(self.n_rows)]
+        batch = self._collate(rows, np.arange(first, first + len(rows)))
+        self.next_step, self._loaded = step + 1, None
+        self._epochs[step + 1] = self.epoch_count
+        self._epochs.pop(step - 63, None)
+        return batch
+
+    def epoch(self, step: int) -> float:
+        """The epochs this process had finished after `step` batches (whole ones: a stream's length is unknown)."""
+        return float(self._epochs.get(step, self.epoch_count))
+
+    def position(self) -> dict:
+        """Where this process stands after its last batch: JSON, exact, for load_position()."""
+        if self._loaded is not None:  # datasets reports a loaded state only once iteration starts
+            return self._loaded
+        return {
+            "dataset": self._node.state_dict(),
+            "epoch": self.epoch_count,
+            "in_epoch": self._in_epoch,
+            "read": self.n_read,
+            "step": self.next_step,
+            "rank": self.rank,
+            "world": self.world,
+            "shards": self.n_shards,
+        }
+
+    def load_position(self, position: dict) -> None:
+        """Continue exactly after the batch `position` was taken at (on the same process of as many)."""
+        keys = ("dataset", "epoch", "in_epoch", "read", "step", "rank", "world", "shards")
+        if not isinstance(position, Mapping) or any(k not in position for k in keys):
+            raise ConfigError(f"{position!r:.200} is not a stream position saved by jdp's StreamLoader")
+        if (position["rank"], position["world"]) != (self.rank, self.world):
+            why = (
+                f"which rows a process streams depends on the number of processes; resume on {position['world']}"
+                if position["world"] != self.world
+                else "each process resumes its own shards; keep each process's share of the batch (the mesh order)"
+            )
+            raise ConfigError(
+                f"a stream position saved by process {position['rank']} of {position['world']} cannot be restored "
+                f"on process {self.rank} of {self.world}: {why}, or start over (train.resume=false)"
+            )
+        if position["shards"] != self.n_shards:
+            raise ConfigError(
+                f"the stream position was saved for a dataset of {position['shards']} shards, this one has "
+                f"{self.n_shards}: resume with the same data, or start over (train.resume=false)"
+            )
+        self._node = self._split(position["epoch"])
+        self._node.load_state_dict(position["dataset"])
+        self.epoch_count, self._in_epoch, self.n_read = position["epoch"], position["in_epoch"], position["read"]
+        self.next_step, self._it, self._loaded = position["step"], None, dict(position)
+        self._epochs = {self.next_step: self.epoch_count}
+
+    def eval_batches(self) -> Iterator[Batch]:
+        """This process's rows of each global batch of the whole stream, in order, as the map-style Loader's: the
+        last batch is filled up by repeating rows from the start, which carry `valid` = 0 (1 for the real rows)."""
+        head, batch, n = [], [], 0
+        for row in self.base:
+            if len(head) < self.batch_size:  # what the padding repeats (row p % n for position p >= n)
+                head.append(row)
+            batch.append(row)
+            n += 1
+            if len(batch) == self.batch_size:
+                yield self._eval_batch(batch, n - self.batch_size, np.ones(self.batch_size, bool))
+                batch = []
+        if batch:
+            real = len(batch)
+            batch += [head[p % n] for p in range(n, n - real + self.batch_size)]
+            yield self._eval_batch(batch, n - real, np.arange(self.batch_size) < real)
+
+    def _eval_batch(self, rows: list, first: int, valid: np.ndarray) -> Batch:
+        idx = (first + np.arange(self.batch_size))[self.rows]
+        out = self._collate(rows[self.rows], idx)
+        out["valid"] = valid[self.rows].astype(np.float32)
+        return out
+
+    def describe(self) -> str:
+        cols = ", ".join(f"{k} {tuple(s)} {d}" for k, (s, d) in self.columns.items())
+        if not self.train:
+            return f"streaming evaluation set (no length; every process reads all of it) | {cols}"
+        if self.n_shards % self.world == 0:
+            how = f"{self.n_shards // self.world} of {self.n_shards} shards"
+        else:  # datasets then has every process read every shard, keeping every world-th row
+            how = f"every {self.world}th row of all {self.n_shards} shards"
+        return (
+            f"streaming (no length), process {self.rank} of {self.world} reads {how}, in order, epochs its own | "
+            f"{cols} | {self.n_rows} of each batch of {self.batch_size} rows"
+        )
+
+
+def _process_of(rows: slice, batch_size: int) -> tuple[int, int, int]:
+    """(rank, processes, rows per process) of a process whose share of each global batch is `rows`."""
+    start, stop = rows.start or 0, rows.stop if rows.stop is not None else batch_size
+    if batch_size < 1 or not 0 <= start < stop <= batch_size or rows.step not in (None, 1):
+        raise ConfigError(
+            f"rows={rows} is not a non-empty part of a global batch of {batch_size} rows; pass "
+            f"jdp.process_rows(batch_size, mesh)"
+        )
+    size = stop - start
+    if batch_size % size or start % size:
+        raise ConfigError(
+            f"rows {start}:{stop} of a global batch of {batch_size} are not one of equal parts: a stream is split "
+            f"between processes by their share of the batch, so every process needs as many rows (as many devices)"
+        )
+    return start // size, batch_size // size, size
+
+
+def _shuffle_buffered(ds) -> bool:
+    """Whether `ds` was shuffled through a buffer (datasets has no public flag: its iterables are walked)."""
+    todo = [getattr(ds, "_ex_iterable", None)]
+    while todo:
+        it = todo.pop()
+        if it is None:
+            continue
+        if type(it).__name__ == "BufferShuffledExamplesIterable":
+            return True
+        todo += [getattr(it, "ex_iterable", None), *getattr(it, "ex_iterables", [])]
+    return False
+
+
 # ---------------------------------------------------------------------------------------------- sources
 
 
-def _adapt(source: Any):
+def _is_stream(source: Any) -> bool:
     hf = sys.modules.get("datasets")  # an HF object can only exist if its module is loaded
-    if hf is not None and isinstance(source, hf.IterableDataset | hf.IterableDatasetDict):
+    return hf is not None and isinstance(source, hf.IterableDataset)
+
+
+def _adapt(source: Any):
+    hf = sys.modules.get("datasets")
+    if hf is not None and isinstance(source, hf.DatasetDict | hf.IterableDatasetDict):
+        kind = type(source).__name__
         raise ConfigError(
-            "streaming datasets go through jdp train's text pipeline; for other data use a map-style Dataset "
-            "(load_dataset(..., streaming=False))"
-        )
-    if hf is not None and isinstance(source, hf.DatasetDict):
-        raise ConfigError(
-            f"the data source is a DatasetDict with splits {list(source)}; pass one split, e.g. ds['train']"
+            f"the data source is {'an' if kind[0] in 'AEIOU' else 'a'} {kind} with splits {list(source)}; pass one "
+            f"split, e.g. ds['train']"
         )
     if hf is not None and isinstance(source, hf.Dataset):
         return _HFRows(source)
@@ -156,7 +410,7 @@ def _adapt(source: Any):
         return _IndexedRows(source)
     raise ConfigError(
         f"a data source of type {type(source).__name__} has no len() and __getitem__(int); pass a datasets.Dataset, "
-        f"a dict of numpy arrays or an indexable of dicts (streams: jdp train's text pipeline)"
+        f"a dict of numpy arrays, an indexable of dicts or a datasets.IterableDataset (a stream)"
     )
 
 
@@ -195,12 +449,23 @@ class _HFRows:
         return out
 
     def columns(self, idx: np.ndarray) -> Batch:
-        # a ragged column comes back as an object array of per-row arrays: stack it to name the first bad pair
-        return {k: v if v.dtype.kind in _NUMERIC else _stack(k, list(v), idx) for k, v in self._read(idx).items()}
+        return _stacked(self._read(idx), idx)
 
     def rows(self, idx: np.ndarray) -> list[dict]:
-        cols = self._read(idx)
-        return [{k: v[i] for k, v in cols.items()} for i in range(len(idx))]
+        return _as_rows(self._read(idx), len(idx))
+
+
+def _stacked(cols: dict[str, Any], idx: np.ndarray) -> Batch:
+    """Columns in datasets' numpy format as arrays; a ragged one comes back as per-row arrays: stacked, the first
+    bad pair is named."""
+    return {
+        k: v if isinstance(v, np.ndarray) and v.dtype.kind in _NUMERIC else _stack(k, list(v), idx)
+        for k, v in cols.items()
+    }
+
+
+def _as_rows(cols: dict[str, Any], n: int) -> list[dict]:
+    return [{k: v[i] for k, v in cols.items()} for i in range(n)]
 
 
 def _plain(kind, pa) -> bool:
@@ -275,17 +540,18 @@ class _IndexedRows:
         return out
 
     def columns(self, idx: np.ndarray) -> Batch:
-        rows = self.rows(idx)
-        keys = list(rows[0])
-        for i, row in zip(idx, rows, strict=True):
-            if list(row) != keys:
-                raise ConfigError(
-                    f"row {i} of the data has columns {list(row)}, row {idx[0]} has {keys}; give every row the same columns"
-                )
-        return {k: _stack(k, [np.asarray(r[k]) for r in rows], idx) for k in keys}
+        return _stack_rows(self.rows(idx), idx)
 
 
 # ---------------------------------------------------------------------------------------------- checks
+
+
+def _unreserved(batch: Batch) -> Batch:
+    if "valid" in batch:
+        raise ConfigError(
+            "the data has a column named 'valid', which jdp reserves for marking evaluation padding; rename it"
+        )
+    return batch
 
 
 def _require_numeric(name: str, dtype: np.dtype, collated: bool = False) -> None:
@@ -297,6 +563,17 @@ def _require_numeric(name: str, dtype: np.dtype, collated: bool = False) -> None
         f"column {name!r} holds {dtype} values, not numbers; drop it (ds.remove_columns) or pass collate= to "
         f"turn rows into numeric arrays (tokenize text there, for example)"
     )
+
+
+def _stack_rows(rows: list[Mapping], idx: np.ndarray) -> Batch:
+    """Rows (dicts) as one array per column; `idx` numbers them in errors."""
+    keys = list(rows[0])
+    for i, row in zip(idx, rows, strict=True):
+        if list(row) != keys:
+            raise ConfigError(
+                f"row {i} of the data has columns {list(row)}, row {idx[0]} has {keys}; give every row the same columns"
+            )
+    return {k: _stack(k, [np.asarray(r[k]) for r in rows], idx) for k in keys}
 
 
 def _stack(name: str, values: list[np.ndarray], idx: np.ndarray) -> np.ndarray:

@@ -68,7 +68,7 @@ class Trainer:
 
     model: an `nnx.Module`, or a function returning one (built once the job has started: pass a function when
     the script runs on several processes, since `jax.distributed` must start before anything touches a device).
-    data: a `jdp.Loader` (any Hugging Face `datasets.Dataset`, dict of arrays or indexable, in jdp's global order),
+    data: a `jdp.Loader` (any Hugging Face `datasets.Dataset` or `IterableDataset`, dict of arrays or indexable),
     or anything with `local_batch(step)`; or a function `rows -> such a loader` given this process's rows.
     eval_data: the same for evaluation (its `eval_batches()` covers every row once), or None. collate: rows (a list
     of dicts) -> a dict of numpy arrays, for the data jdp's Loader reads (default: each column stacked).
@@ -430,6 +430,12 @@ def missing_records(run_dir: RunDir, cfg: Config, start: int) -> list[int]:
 def stream_position(run_dir: RunDir, step: int) -> dict:
     """This process's stream position saved beside the checkpoint at `step`; an unreadable one is named."""
     path = run_dir.data_state(step, jax.process_index())
+    saved = sorted(path.parent.glob("process_*.json"))
+    if not path.exists() and saved:  # written by a job of fewer processes (more is refused by load_position)
+        raise ConfigError(
+            f"the checkpoint at step {step} was saved by a streaming run of {len(saved)} process(es); a stream "
+            f"resumes only on as many (this job has {jax.process_count()}), or set train.resume=false to start over"
+        )
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as e:

@@ -206,9 +206,9 @@ def bad_row(i, row, n=8):
         (Listed([{"x": 1, "name": "ab"}] * 8), "column 'name' holds <U2 values, not numbers.*collate="),
         ({"x": np.zeros(8), "tag": np.array(["a"] * 8, object)}, "column 'tag' holds object values"),
         ({"x": np.zeros(8), "valid": np.ones(8)}, "column named 'valid'.*reserves"),
-        (
-            datasets.Dataset.from_dict({"x": [1] * 8}).to_iterable_dataset(),
-            "streaming datasets go through jdp train's text pipeline",
+        (  # a stream itself is read by StreamLoader (tests/test_stream_loader.py); a dict of splits is not data
+            datasets.IterableDatasetDict({"train": datasets.Dataset.from_dict({"x": [1] * 8}).to_iterable_dataset()}),
+            r"an IterableDatasetDict with splits \['train'\]; pass one split",
         ),
         (
             datasets.DatasetDict({"train": datasets.Dataset.from_dict({"x": [1] * 8})}),
