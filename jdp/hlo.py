@@ -14,6 +14,16 @@ from jdp.build import batch_spec, build
 from jdp.config import Config, ConfigError, validate
 from jdp.model import lm_loss
 
+__all__ = [
+    "KINDS",
+    "Collective",
+    "all_reduce_report",
+    "all_reduces",
+    "collectives",
+    "compiled_text",
+    "compression_report",
+]
+
 
 def compiled_text(step_fn, *args) -> str:
     """The optimized HLO text of a jitted step for these arguments (for inspecting collectives)."""
@@ -33,8 +43,6 @@ class Collective:
     shapes: list[str]  # its result's
     bytes: int  # the whole buffer it covers: for a reduce-scatter its input, the result times the group size
 
-
-AllReduce = Collective  # the name of earlier versions
 
 KINDS = ("all-reduce", "reduce-scatter", "all-gather")
 
@@ -79,6 +87,17 @@ def all_reduces(hlo_text: str) -> list[Collective]:
     return [c for c in collectives(hlo_text) if c.kind == "all-reduce"]
 
 
+def _planned(name: str) -> strategies.Strategy:
+    """The strategy, refused where its gradients travel by no collective (nothing to report)."""
+    if not (s := strategies.get(name)).planned:
+        planned = " or ".join(k for k, v in strategies.REGISTRY.items() if v.planned)
+        raise ConfigError(
+            f"the collectives report is for parallel.strategy={planned}, whose gradients travel by collectives; "
+            f"{name} is {s.summary}"
+        )
+    return s
+
+
 def all_reduce_report(cfg: Config) -> tuple[str, dict]:
     """Compile the configured train step on this job's devices and list its collectives (no data, no run).
 
@@ -86,10 +105,7 @@ def all_reduce_report(cfg: Config) -> tuple[str, dict]:
     printable table and the numbers: count and bytes of each kind, and the (padded) parameter bytes they must
     add up to.
     """
-    strategy, s = cfg.parallel.strategy, strategies.get(cfg.parallel.strategy)
-    if not s.planned:
-        planned = " or ".join(k for k, v in strategies.REGISTRY.items() if v.planned)
-        raise ConfigError(f"the collectives report is for parallel.strategy={planned} ({strategy} gathers instead)")
+    strategy, s = cfg.parallel.strategy, _planned(cfg.parallel.strategy)
     mesh = parallel.make_mesh()
     n = mesh.devices.size
     derived = validate(cfg, n, jax.process_count())
@@ -99,7 +115,8 @@ def all_reduce_report(cfg: Config) -> tuple[str, dict]:
     p = cfg.parallel
     buckets = bucket_plan(graphdef, lm_loss, state.params, state.rest, micro, p.bucket_mb, p.reduce_dtype)
     shapes = jax.tree.leaves(state.params)
-    pad = n if s.split_optimizer else 1  # a split layout pads every gradient and parameter to a multiple of n
+    layout = s.steps().layout(mesh)  # a split layout pads every gradient and parameter to a multiple of its shards
+    pad = layout.shards or 1
     padded = [sum(shapes[k].size + -shapes[k].size % pad for k in b.leaves) for b in buckets]
     grad_kind = s.gradients
     lowered = train_step.lower(state, spec)
@@ -121,7 +138,7 @@ def all_reduce_report(cfg: Config) -> tuple[str, dict]:
     gather_bytes = sum(a.bytes for a in found if id(a) in gathers)
     emitted_bytes = sum(a.bytes for a in emitted_found if id(a) in emitted)
     others = [a for a in found if id(a) not in grads and id(a) not in gathers]
-    padding = f"; {padded_bytes:,} padded to multiples of {n}" if s.split_optimizer else ""
+    padding = f"; {padded_bytes:,} padded to multiples of {pad}" if layout.shards else ""
     lines.append(
         f"gradients: {len(grads)} {grad_kind}(s), {grad_bytes:,} bytes in all = {grad_bytes / param_bytes:.2f} x "
         f"the parameter bytes ({param_bytes:,} bytes, {n_params:,} parameters{padding})"

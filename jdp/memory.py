@@ -9,7 +9,6 @@ against the host's available memory (MemAvailable, or less where a cgroup limit 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,17 @@ from jax.experimental import multihost_utils
 
 from jdp import plan, strategies
 from jdp.config import Config, ConfigError, Derived
+
+__all__ = [
+    "LARGER_FRACTION",
+    "Pool",
+    "check_memory",
+    "device_available_bytes",
+    "host_available_bytes",
+    "local_pool",
+    "refusal",
+    "suggestions",
+]
 
 LARGER_FRACTION = 0.95  # what a user may give JAX instead of its default 75% of a GPU, leaving CUDA the rest
 
@@ -104,15 +114,12 @@ class Pool:
     source: str  # where `available` came from
     larger: int | None = None  # a GPU's pool with XLA_PYTHON_CLIENT_MEM_FRACTION=.95, where JAX got its default
 
-    def need(self, m: plan.Memory, strategy: str) -> int:
-        """What the pool must hold for devices holding `m` each (dp: `m` is the master's; the others keep no
-        optimizer state and only their own gradients)."""
+    def need(self, m: plan.Memory) -> int:
+        """What the pool must hold for devices holding `m` each, or, where the others hold less (`m.others`: dp's
+        master holds more), one holding `m` and the rest `m.others`."""
         if not self.shared:
             return m.total
-        if not strategies.get(strategy).master:
-            return m.total * self.devices
-        other = m.total - m.opt_state - m.grads + m.params
-        return m.total + (self.devices - 1) * other
+        return m.total + (self.devices - 1) * (m.others or m).total
 
     def amount(self, nbytes: int) -> str:
         return (
@@ -158,7 +165,7 @@ def refusal(cfg: Config, derived: Derived, pool: Pool, platform: str) -> str | N
     strategy, fused = cfg.parallel.strategy, plan.fused_attention(cfg, platform)
     state = plan.abstract_state(cfg)
     m = plan.device_memory(cfg, derived.n_devices, derived.micro_batch, fused, state=state)
-    need = pool.need(m, strategy)
+    need = pool.need(m)
     if need <= pool.available:
         return None
     parts = [("parameters", m.params), ("gradients", m.grads), ("gradient accumulator", m.accumulator),
@@ -175,7 +182,7 @@ def refusal(cfg: Config, derived: Derived, pool: Pool, platform: str) -> str | N
     if fits := suggestions(cfg, derived, pool, m, fused, state):
         lines += ["What would fit:", *(f"  {s}" for s in fits)]
     else:
-        state_only = pool.need(dataclasses.replace(m, activations=0), strategy)
+        state_only = pool.need(m.with_activations(0))
         lines.append(
             f"No smaller batch, train.grad_accum or parallel.strategy fits: the parameters, gradients and optimizer "
             f"state alone need {pool.amount(state_only)}; train a smaller model (model.d_model, model.n_layers)"
@@ -190,7 +197,7 @@ def suggestions(cfg: Config, derived: Derived, pool: Pool, m: plan.Memory, fused
     fewest micro-batches; these with zero1 when none fits alone."""
     n, p = derived.n_devices, cfg.parallel
     out = []
-    if pool.larger is not None and pool.need(m, p.strategy) <= pool.larger:
+    if pool.larger is not None and pool.need(m) <= pool.larger:
         out.append(
             f"XLA_PYTHON_CLIENT_MEM_FRACTION={LARGER_FRACTION} in the environment (JAX takes "
             f"{plan.JAX_MEMORY_FRACTION:.0%} of a GPU by default): {_gb(pool.larger)} free per device"
@@ -198,7 +205,7 @@ def suggestions(cfg: Config, derived: Derived, pool: Pool, m: plan.Memory, fused
     others = strategies.get(p.strategy).instead if n > 1 else ()
     for other in others:
         alt = plan.device_memory(cfg, n, derived.micro_batch, fused, other, state)
-        if (need := pool.need(alt, other)) <= pool.available:
+        if (need := pool.need(alt)) <= pool.available:
             hooks = strategies.get(other).comm_hooks
             compression = " parallel.compression=none" if not hooks and p.compression != "none" else ""
             why = strategies.get(other).saves.format(n=n, opt=_gb(alt.opt_state))
@@ -216,12 +223,12 @@ def _batch_changes(
     """The largest train.batch_size, and the fewest train.grad_accum micro-batches at today's batch, that fit
     under `strategy`."""
     n, t = derived.n_devices, cfg.train
-    base = plan.device_memory(cfg, n, derived.micro_batch, fused, strategy, state)
+    held: dict[int, plan.Memory] = {}  # per train.grad_accum: the state's bytes, as the strategy counts them
 
     def need(micro: int, accum: int) -> int:
-        activations = plan.activation_bytes(cfg, micro, fused)
-        m = dataclasses.replace(base, accumulator=base.params if accum > 1 else 0, activations=activations)
-        return pool.need(m, strategy)
+        if accum not in held:
+            held[accum] = plan.held_bytes(cfg, strategy, n, state, accum)
+        return pool.need(held[accum].with_activations(plan.activation_bytes(cfg, micro, fused)))
 
     out = []
     # Activations grow with the micro-batch: the first that fits, counting down, is the largest.

@@ -1,21 +1,21 @@
-"""`jdp plan`: memory per device, step time (compute + gradient all-reduce) and tokens/s from 1 to 1024 GPUs.
+"""`jdp plan`: memory per device, step time (compute + communication) and tokens/s from 1 to 1024 GPUs.
 
 Nothing is run or allocated: the parameter, gradient and optimizer-state bytes are exact, from the shapes
 `nnx.eval_shape` and `jax.eval_shape(optimizer.init)` give; the activations are an estimate, checked against
 the compiled step's `memory_analysis` in tests/test_plan.py; time comes from FLOPs, a peak and bandwidths.
 
-The model of a step (weak scaling: every device keeps the config's per-device batch, so the global batch
-grows with N):
+What a strategy costs is its module's to say (jdp/costs.py's terms): `state_bytes`, what one device holds, and
+`traffic`, the collectives of one step (their kind and bytes per bucket, which compute can hide them). The model of
+a step, the same for every strategy (weak scaling: every device keeps the config's per-device batch, so the global
+batch grows with N):
 
     compute   = FLOPs per token x tokens per device / (peak FLOP/s x MFU)       (MFU assumed, or measured)
-    all-reduce = sum over buckets of  2 (N-1)/N x bucket bytes / bus bandwidth  +  a fixed latency per bucket
-    exposed   = the part of the all-reduce backward cannot hide (see exposed_comm_s)
+    collectives = sum over them of  ring share x bytes / bus bandwidth  +  a fixed latency per collective
+                (ring share: 2 (N-1)/N for an all-reduce, (N-1)/N for a reduce-scatter or an all-gather)
+    exposed   = what backward (2/3 of compute) or forward (1/3) cannot hide of the collectives the strategy
+                issues behind it (see exposed_comm_s), plus all of the others
     step      = compute + exposed;   efficiency(N) = tokens/s(N) / (N x tokens/s(1)) = compute / step
 
-parallel.strategy=zero1 moves the same bytes as two halves: a reduce-scatter per bucket ((N-1)/N x bucket
-bytes, hidden behind backward as the all-reduces are) and an all-gather per bucket of the updated parameters
-((N-1)/N x their bytes), which cannot start before the whole gradient's norm is known (clipping, the skip
-guard), so all of it shows. In exchange each device holds 1/N of the optimizer state.
 parallel.compression=powersgd sends each bucket as its compressed size (r(m + n) float32 numbers per compressed
 m x n gradient, the rest whole) in two all-reduces (two latencies per bucket), and adds its matrix products to the
 compute: M Q, M^T P and P Q^T are 2mnr FLOPs each, the QR about 4mr^2.
@@ -40,12 +40,40 @@ from jdp import strategies
 from jdp.buckets import bucket_plan
 from jdp.build import comm_hook
 from jdp.config import Config, ConfigError, load_config, split_config_args, validate
+from jdp.costs import WINDOWS, Buckets, Collectives, Memory, Traffic, ring_s, tree_bytes
 from jdp.hardware import DEFAULT_MFU, INTERCONNECTS, gpu_spec, link_for
 from jdp.metrics import flops_per_token, read_metrics
 from jdp.model import GPT, attention_scores, lm_loss
 from jdp.optim import make_optimizer
 from jdp.rundir import RunDir
-from jdp.step import OptLayout, param_names
+from jdp.step import param_names
+
+__all__ = [
+    "COMPUTE_BOUND",
+    "JAX_MEMORY_FRACTION",
+    "SCALING_NS",
+    "Choice",
+    "Memory",
+    "Plan",
+    "Planner",
+    "Ring",
+    "Step",
+    "abstract_state",
+    "activation_bytes",
+    "calibrated_mfu",
+    "device_memory",
+    "exposed_comm_s",
+    "fit_note",
+    "format_plan",
+    "fused_attention",
+    "held_bytes",
+    "make_plan",
+    "make_planner",
+    "markdown_table",
+    "opt_bytes_per_device",
+    "planned_strategies",
+    "run",
+]
 
 COMPUTE_BOUND = 0.05  # "compute-bound": the exposed all-reduce is at most 5% of the step
 JAX_MEMORY_FRACTION = 0.75  # JAX preallocates this much of a GPU's memory by default (XLA_PYTHON_CLIENT_MEM_FRACTION)
@@ -68,21 +96,19 @@ def planned_strategies() -> list[str]:
     return [name for name, s in strategies.REGISTRY.items() if s.planned]
 
 
-def tree_bytes(tree) -> int:
-    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+def held_bytes(cfg: Config, strategy: str, n: int, state: tuple | None = None, grad_accum: int | None = None) -> Memory:
+    """The parameters, gradients, accumulator and optimizer state one device holds under `strategy` on n devices
+    (no activations), as the strategy's module counts them (its state_bytes). `state`: an abstract_state(cfg)
+    already traced; `grad_accum`: default the config's."""
+    _, params, _, opt_state = state or abstract_state(cfg)
+    optimizer, _ = make_optimizer(cfg.optim, cfg.train.steps)
+    accum = cfg.train.grad_accum if grad_accum is None else grad_accum
+    return strategies.get(strategy).costs().state_bytes(params, opt_state, optimizer, n, accum)
 
 
 def opt_bytes_per_device(cfg: Config, strategy: str, n: int, state: tuple | None = None) -> int:
-    """The optimizer state one device holds: all of it (ddp; dp's master), or its slice of every leaf plus the
-    scalars (zero1, with the padding to a multiple of n; exactly what parallel.OptLayout places). `state`: an
-    abstract_state(cfg) already traced."""
-    _, params, _, opt_state = state or abstract_state(cfg)
-    if not strategies.get(strategy).split_optimizer:
-        return tree_bytes(opt_state)
-    optimizer, _ = make_optimizer(cfg.optim, cfg.train.steps)
-    shapes = OptLayout(n).shapes(optimizer, params)
-    split = [x for x in jax.tree.leaves(shapes) if x.ndim >= 1 and x.shape[-1] % n == 0]
-    return tree_bytes(shapes) - tree_bytes(split) + tree_bytes(split) // n
+    """The optimizer state one device holds (dp: its master)."""
+    return held_bytes(cfg, strategy, n, state).opt_state
 
 
 def activation_bytes(cfg: Config, micro_batch: int, fused_attention: bool) -> int:
@@ -109,19 +135,6 @@ def activation_bytes(cfg: Config, micro_batch: int, fused_attention: bool) -> in
     return m.n_layers * block + outside
 
 
-@dataclass(frozen=True)
-class Memory:
-    params: int
-    grads: int
-    accumulator: int  # the running sum of micro-batch gradients (train.grad_accum > 1)
-    opt_state: int
-    activations: int  # estimate
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.accumulator + self.opt_state + self.activations
-
-
 def fused_attention(cfg: Config, platform: str = "gpu") -> bool:
     """Whether the step runs cuDNN's fused attention: on GPUs "auto" is cuDNN's kernel, which jax uses for 16-bit
     compute dtypes only; CPUs run the written-out one."""
@@ -129,21 +142,19 @@ def fused_attention(cfg: Config, platform: str = "gpu") -> bool:
 
 
 def device_memory(
-    cfg: Config, devices: int, micro_batch: int, fused: bool, strategy: str | None = None, state: tuple | None = None
+    cfg: Config,
+    devices: int,
+    micro_batch: int,
+    fused: bool,
+    strategy: str | None = None,
+    state: tuple | None = None,
+    grad_accum: int | None = None,
 ) -> Memory:
-    """What one device holds during a step of `strategy` (default: the config's) on `devices` devices; for dp,
-    the master, which also keeps the optimizer state and receives every device's gradients. `state`: an
-    abstract_state(cfg) already traced."""
-    strategy = strategy or cfg.parallel.strategy
-    state = state or abstract_state(cfg)
-    param_bytes = tree_bytes(state[1])
-    return Memory(
-        params=param_bytes,
-        grads=param_bytes * (devices if strategies.get(strategy).master else 1),  # one per parameter, in its dtype
-        accumulator=param_bytes if cfg.train.grad_accum > 1 else 0,
-        opt_state=opt_bytes_per_device(cfg, strategy, devices, state),
-        activations=activation_bytes(cfg, micro_batch, fused),
-    )
+    """What one device holds during a step of `strategy` (default: the config's) on `devices` devices, the
+    fullest one (dp: the master; `others` then says what the rest hold). `state`: an abstract_state(cfg) already
+    traced; `grad_accum`: default the config's."""
+    held = held_bytes(cfg, strategy or cfg.parallel.strategy, devices, state, grad_accum)
+    return held.with_activations(activation_bytes(cfg, micro_batch, fused))
 
 
 def fit_note(total: int, gpu_name: str) -> str:
@@ -158,24 +169,42 @@ def fit_note(total: int, gpu_name: str) -> str:
 # ---- Time ----
 
 
-def ring_allreduce_s(nbytes: float, n: int, busbw: float) -> float:
-    """The bandwidth term of a ring all-reduce: each GPU sends and receives 2 (N-1)/N of the bytes."""
-    return 2 * (n - 1) / n * nbytes / busbw if n > 1 else 0.0
+def exposed_comm_s(bucket_s: list[float], window_s: float) -> float:
+    """The time of collectives issued behind compute (backward, or forward) that the compute cannot hide.
 
-
-def exposed_comm_s(bucket_s: list[float], backward_s: float, overlap: bool) -> float:
-    """The all-reduce time backward cannot hide.
-
-    Buckets are reduced one at a time, in the order backward finishes them. With overlap, every bucket but the
-    last can run while backward continues (XLA's latency-hiding scheduler), so what shows is the last bucket,
-    or whatever of the whole does not fit inside backward: max(last bucket, all buckets - backward). This is
-    the best case. Without overlap (train.grad_accum > 1: jdp reduces after the accumulation loop, where
-    DDP would overlap the last micro-batch's backward), all of it shows.
+    Buckets are sent one at a time, in the order the compute finishes them. Every bucket but the last can run
+    while the compute continues (XLA's latency-hiding scheduler), so what shows is the last bucket, or whatever of
+    the whole does not fit inside the compute: max(last bucket, all buckets - compute). This is the best case.
     """
     total = sum(bucket_s)
-    if not overlap or not bucket_s:
+    if not bucket_s:
         return total
-    return max(bucket_s[-1], total - backward_s)
+    return max(bucket_s[-1], total - window_s)
+
+
+@dataclass(frozen=True)
+class Ring:
+    """A strategy's collectives of one kind at N devices, on the link their rings cross."""
+
+    collectives: Collectives
+    devices: int  # in each ring
+    link: str
+    busbw: float  # bytes/s
+    latency: float  # s per collective
+
+    def bucket_s(self) -> list[float]:
+        """Each bucket's time, latencies included, in the order issued; none on one device."""
+        c = self.collectives
+        if self.devices <= 1:
+            return []
+        return [ring_s(c.kind, b, self.devices, self.busbw) + c.calls * self.latency for b in c.nbytes]
+
+    def bandwidth_s(self) -> float:
+        """The bandwidth term of all of them."""
+        return ring_s(self.collectives.kind, sum(self.collectives.nbytes), self.devices, self.busbw)
+
+    def calls(self) -> int:
+        return self.collectives.calls * len(self.collectives.nbytes) if self.devices > 1 else 0
 
 
 @dataclass(frozen=True)
@@ -185,8 +214,8 @@ class Step:
     busbw_gbs: float
     per_device_batch: int  # sequences
     compute_s: float
-    allreduce_s: float  # the ring bandwidth term, 2 (N-1)/N x gradient bytes / bus bandwidth
-    latency_s: float  # buckets x the link's latency
+    allreduce_s: float  # the rings' bandwidth term: 2 (N-1)/N x bytes all-reduced / bus bandwidth, or (N-1)/N x ...
+    latency_s: float  # collectives x the link's latency
     exposed_s: float
     step_s: float
     tokens_per_s: float
@@ -212,31 +241,45 @@ class Planner:
     bucket_bytes: tuple[int, ...]  # in the reduce dtype, in the order backward finishes them
     interconnect: str | None = None
     bandwidth_gbs: float | None = None
-    strategy: str = "ddp"  # or zero1
-    gather_bytes: tuple[int, ...] = ()  # zero1: the same buckets of parameters, in their dtype
+    strategy: str = "ddp"  # any planned one (strategies.REGISTRY)
+    param_bucket_bytes: tuple[int, ...] = ()  # the same buckets of parameters, in their dtype
     compressed_bytes: tuple[int, ...] = ()  # parallel.compression: each bucket's bytes on the wire; () if none
     compression_flops: float = 0.0  # per device per step: the compression's matrix products
+
+    @property
+    def buckets(self) -> Buckets:
+        """What the step's collectives carry: the gradient buckets, their parameters, a hook's wire bytes."""
+        return Buckets(
+            self.bucket_bytes,
+            self.param_bucket_bytes,
+            self.cfg.parallel.reduce_dtype,
+            self.compressed_bytes,
+            wire_calls=2,  # PowerSGD: P, then Q
+            wire_what="PowerSGD factors and uncompressed gradients",
+        )
+
+    def traffic(self, n: int) -> tuple[Traffic, list[Ring]]:
+        """The strategy's collectives at n devices (its module's traffic), each on the link its rings cross."""
+        traffic = strategies.get(self.strategy).costs().traffic(self.buckets, n, self.cfg.train.grad_accum)
+        rings = []
+        for c in traffic.collectives:
+            if c.overlaps and c.overlaps not in WINDOWS:
+                raise ValueError(f"{self.strategy}'s {c.kind}s overlap {c.overlaps!r}: one of {', '.join(WINDOWS)}")
+            size = c.devices or n
+            link, busbw, latency = link_for(gpu_spec(self.gpu), size * c.apart, self.interconnect, self.bandwidth_gbs)
+            rings.append(Ring(c, size, link, busbw, latency if size > 1 else 0.0))
+        return traffic, rings
 
     def step(self, n: int, per_device_batch: int) -> Step:
         cfg = self.cfg
         tokens = per_device_batch * cfg.data.seq_len
         compute_s = (flops_per_token(cfg) * tokens + self.compression_flops) / (self.peak * self.mfu)
-        backward_s = compute_s * 2 / 3  # backward does twice forward's FLOPs
-        link, busbw, latency = link_for(gpu_spec(self.gpu), n, self.interconnect, self.bandwidth_gbs)
-        latency = latency if n > 1 else 0.0
-        if strategies.get(self.strategy).gathers_parameters:  # half an all-reduce each way (module docstring)
-            bucket_s = [ring_allreduce_s(b, n, busbw) / 2 + latency for b in self.bucket_bytes] if n > 1 else []
-            gather_s = [ring_allreduce_s(b, n, busbw) / 2 + latency for b in self.gather_bytes] if n > 1 else []
-            comm_s = (
-                ring_allreduce_s(sum(self.bucket_bytes), n, busbw) + ring_allreduce_s(sum(self.gather_bytes), n, busbw)
-            ) / 2
-        elif self.compressed_bytes:  # two all-reduces per bucket (P, then Q)
-            bucket_s = [ring_allreduce_s(b, n, busbw) + 2 * latency for b in self.compressed_bytes] if n > 1 else []
-            gather_s, comm_s = [], ring_allreduce_s(sum(self.compressed_bytes), n, busbw)
-        else:
-            bucket_s = [ring_allreduce_s(b, n, busbw) + latency for b in self.bucket_bytes] if n > 1 else []
-            gather_s, comm_s = [], ring_allreduce_s(sum(self.bucket_bytes), n, busbw)
-        exposed = exposed_comm_s(bucket_s, backward_s, overlap=cfg.train.grad_accum == 1) + sum(gather_s)
+        window_s = {"forward": compute_s / 3, "backward": compute_s * 2 / 3}  # backward does twice forward's FLOPs
+        link, busbw, _ = link_for(gpu_spec(self.gpu), n, self.interconnect, self.bandwidth_gbs)
+        _, rings = self.traffic(n)
+        behind = {w: [t for r in rings if r.collectives.overlaps == w for t in r.bucket_s()] for w in WINDOWS}
+        shows = [sum(r.bucket_s()) for r in rings if not r.collectives.overlaps]
+        exposed = sum(exposed_comm_s(behind[w], window_s[w]) for w in WINDOWS) + sum(shows)
         step_s = compute_s + exposed
         return Step(
             devices=n,
@@ -244,8 +287,8 @@ class Planner:
             busbw_gbs=busbw / 1e9 if n > 1 else 0.0,
             per_device_batch=per_device_batch,
             compute_s=compute_s,
-            allreduce_s=comm_s,
-            latency_s=latency * (len(bucket_s) * (2 if self.compressed_bytes else 1) + len(gather_s)),
+            allreduce_s=sum(r.bandwidth_s() for r in rings),
+            latency_s=sum(r.latency * r.calls() for r in rings),
             exposed_s=exposed,
             step_s=step_s,
             tokens_per_s=n * tokens / step_s,
@@ -300,14 +343,17 @@ class Plan:
     scaling: tuple[Step, ...]  # N = 1, 2, 4, ..., 1024 at the same per-device batch
     interconnect_note: str
     strategy: str = "ddp"
-    strategies: tuple[Choice, ...] = ()  # ddp and zero1 side by side at the requested N
+    strategies: tuple[Choice, ...] = ()  # every planned strategy side by side at the requested N
     compression: tuple[tuple[str, float, float], ...] = ()  # per interconnect: (name, step s plain, compressed)
     wire_bytes: int = 0  # with compression: the bytes all-reduced per step
     compression_note: str = ""
+    traffic: Traffic | None = None  # the strategy's collectives at the requested N (for the printout)
+    rings: tuple[Ring, ...] = ()  # the same, on their links
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
-        out["memory"]["total"] = self.memory.total
+        out["memory"] = self.memory.to_dict()
+        del out["traffic"], out["rings"]
         return out
 
 
@@ -365,10 +411,10 @@ def make_planner(
     mfu: float = DEFAULT_MFU,
 ) -> Planner:
     """The planner for a config on a GPU; traces the model once (shapes only) for the gradient buckets."""
-    if not strategies.get(cfg.parallel.strategy).planned:
+    if not (s := strategies.get(cfg.parallel.strategy)).planned:
         raise ConfigError(
-            f"jdp plan models parallel.strategy={' and '.join(planned_strategies())} ({cfg.parallel.strategy} gathers "
-            f"to a master instead)"
+            f"jdp plan models parallel.strategy={' and '.join(planned_strategies())}, whose gradients travel by "
+            f"collectives; {s.name} is {s.summary}"
         )
     peak = gpu_spec(gpu).peak_flops(cfg.model.dtype)
     link_for(gpu_spec(gpu), 2, interconnect, bandwidth_gbs)  # an unknown interconnect fails here, up front
@@ -407,7 +453,7 @@ def make_planner(
         interconnect=interconnect,
         bandwidth_gbs=bandwidth_gbs,
         strategy=cfg.parallel.strategy,
-        gather_bytes=tuple(b.elements * jnp.dtype(cfg.model.param_dtype).itemsize for b in buckets),
+        param_bucket_bytes=tuple(b.elements * jnp.dtype(cfg.model.param_dtype).itemsize for b in buckets),
         compressed_bytes=compressed,
         compression_flops=flops,
     )
@@ -444,10 +490,10 @@ def make_plan(
     b = derived.per_device_batch
     choices = []
     for strategy in planned_strategies():
-        opt = opt_bytes_per_device(cfg, strategy, devices, state)
+        held = device_memory(cfg, devices, derived.micro_batch, fused, strategy, state)
         s = dataclasses.replace(planner, strategy=strategy).step(devices, b)
-        total = memory.total - memory.opt_state + opt
-        choices.append(Choice(strategy, opt, total, s.exposed_s, s.step_s, s.tokens_per_s))
+        choices.append(Choice(strategy, held.opt_state, held.total, s.exposed_s, s.step_s, s.tokens_per_s))
+    traffic, rings = planner.traffic(devices)
 
     compression, compression_note = _compression(planner, devices, b)
 
@@ -477,6 +523,8 @@ def make_plan(
         compression=compression,
         compression_note=compression_note,
         wire_bytes=sum(planner.compressed_bytes),
+        traffic=traffic,
+        rings=tuple(rings),
     )
 
 
@@ -536,9 +584,7 @@ def format_plan(plan: Plan, cfg: Config) -> str:
         lines.append(
             f"  grad accumulator  {pdtype:<9} {_size(m.accumulator):>10}   train.grad_accum={ga}: the running sum"
         )
-    split = (
-        f"; {plan.strategy}: this device's 1/{plan.devices}" if strategies.get(plan.strategy).split_optimizer else ""
-    )
+    split = f"; {plan.strategy}: {m.opt_note}" if m.opt_note else ""
     lines += [
         f"  optimizer state   {cfg.optim.name:<9} {_size(m.opt_state):>10}   exact, from optimizer.init's shapes{split}",
         f"  activations       {cfg.model.dtype:<9} {_size(m.activations):>10}   estimate for one micro-batch of "
@@ -573,50 +619,49 @@ def format_plan(plan: Plan, cfg: Config) -> str:
     return "\n".join(lines)
 
 
+_SHARE = {"all-reduce": "2({n}-1)/{n}", "reduce-scatter": "({n}-1)/{n}", "all-gather": "({n}-1)/{n}"}
+_DONE = {"all-reduce": "all-reduced", "reduce-scatter": "reduce-scattered", "all-gather": "all-gathered"}
+
+
 def _communication_lines(plan: Plan, cfg: Config) -> list[str]:
-    """The step's communication: what travels, its ring time, and what of it shows."""
-    s, ga, p, n, out = plan.step, cfg.train.grad_accum, cfg.parallel, plan.devices, []
-    grad_bytes = plan.n_params * jnp.dtype(p.reduce_dtype).itemsize
-    if n > 1 and strategies.get(plan.strategy).gathers_parameters:
-        param_bytes = plan.n_params * jnp.dtype(cfg.model.param_dtype).itemsize
-        out.append(
-            f"  collectives {_ms(s.comm_s):>9} ms   ring: ({n}-1)/{n} x ({_size(grad_bytes)} of {p.reduce_dtype} gradients "
-            f"reduce-scattered + {_size(param_bytes)} of parameters all-gathered) / {s.busbw_gbs:g} GB/s ({s.link}) = "
-            f"{_ms(s.allreduce_s)} ms, + {_ms(s.latency_s)} ms latency of 2 x {len(plan.bucket_bytes)} bucket(s)"
-        )
-        out.append(
-            f"  exposed     {_ms(s.exposed_s):>9} ms   the reduce-scatters backward cannot hide, and every all-gather "
-            f"(they wait for the whole gradient's norm)"
-        )
-    elif n > 1:
-        what, calls = f"{_size(grad_bytes)} of {p.reduce_dtype} gradients", f"{len(plan.bucket_bytes)} bucket(s)"
-        if plan.wire_bytes:
-            what = f"{_size(plan.wire_bytes)} of PowerSGD factors and uncompressed gradients"
-            calls = f"2 x {len(plan.bucket_bytes)} all-reduces"
-        out.append(
-            f"  all-reduce  {_ms(s.comm_s):>9} ms   ring: 2({n}-1)/{n} x {what} / {s.busbw_gbs:g} GB/s ({s.link}) = "
-            f"{_ms(s.allreduce_s)} ms, + {_ms(s.latency_s)} ms latency of {calls} (parallel.bucket_mb={p.bucket_mb:g})"
-        )
-        how = (
-            "the last bucket, or what does not fit inside backward (2/3 of compute)"
-            if ga == 1
-            else f"all of it: with train.grad_accum={ga} jdp reduces after the accumulation loop"
-        )
-        out.append(f"  exposed     {_ms(s.exposed_s):>9} ms   {how}")
+    """The step's communication, from the strategy's collectives: what travels, its ring time, what of it shows."""
+    s, n, rings = plan.step, plan.devices, plan.rings
+    if n == 1 or not rings:
+        return [f"  all-reduce  {_ms(0):>9} ms   one device: nothing to reduce"]
+    kinds = [r.collectives.kind for r in rings]
+    reduces = set(kinds) == {"all-reduce"}
+    label = "all-reduce" if reduces else "collectives"
+    terms = [
+        f"{_size(sum(r.collectives.nbytes))} of {r.collectives.what}" + ("" if reduces else f" {_DONE[kind]}")
+        for r, kind in zip(rings, kinds, strict=True)
+    ]
+    shares = [_SHARE[kind].format(n=r.devices) for r, kind in zip(rings, kinds, strict=True)]
+    links = [f"{r.busbw / 1e9:g} GB/s ({r.link})" for r in rings]
+    if len(set(shares)) == 1 and len(set(links)) == 1:  # one ring share and one link: factor them out
+        ring = f"{shares[0]} x {terms[0] if len(terms) == 1 else '(' + ' + '.join(terms) + ')'} / {links[0]}"
     else:
-        out.append(f"  all-reduce  {_ms(0):>9} ms   one device: nothing to reduce")
-    return out
+        ring = " + ".join(f"{a} x {t} / {link}" for a, t, link in zip(shares, terms, links, strict=True))
+    per, k = sum(r.collectives.calls for r in rings), len(plan.bucket_bytes)
+    calls = f"{per} x {k} {'all-reduces' if reduces else 'bucket(s)'}" if per > 1 else f"{k} bucket(s)"
+    if reduces:
+        calls += f" (parallel.bucket_mb={cfg.parallel.bucket_mb:g})"
+    return [
+        f"  {label:<11} {_ms(s.comm_s):>9} ms   ring: {ring} = {_ms(s.allreduce_s)} ms, + {_ms(s.latency_s)} ms "
+        f"latency of {calls}",
+        f"  exposed     {_ms(s.exposed_s):>9} ms   {plan.traffic.exposed}",
+    ]
 
 
 def _strategy_lines(plan: Plan) -> list[str]:
-    """ddp and zero1 side by side at the requested N (nothing for one device)."""
+    """Every planned strategy side by side at the requested N (nothing for one device)."""
     if plan.devices == 1:
         return []
     out = [f"parallel.strategy side by side on {plan.devices} x {plan.gpu} (memory per device):"]
+    width = max([7] + [len(c.strategy) + 1 for c in plan.strategies])
     for c in plan.strategies:
         mark = "*" if c.strategy == plan.strategy else " "
         out.append(
-            f"  {c.strategy + mark:<7} optimizer state {_size(c.opt_state):>10}  total {_size(c.memory_total):>10}  "
+            f"  {c.strategy + mark:<{width}} optimizer state {_size(c.opt_state):>10}  total {_size(c.memory_total):>10}  "
             f"exposed {_ms(c.exposed_s):>8} ms  step {_ms(c.step_s):>9} ms  {c.tokens_per_s:>14,.0f} tokens/s  "
             f"{fit_note(c.memory_total, plan.gpu)}"
         )

@@ -1,22 +1,26 @@
-"""jdp plan: exact state bytes, the activation estimate against the compiled step, the ring formula, scaling."""
+"""jdp plan: exact state bytes, the activation estimate against the compiled step, the ring formula, scaling, and
+each strategy's costs coming from its own module."""
 
 import argparse
 import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
+import types
+from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-from jdp import hardware, parallel, plan
+from jdp import config, costs, hardware, memory, parallel, plan, strategies
 from jdp.build import batch_spec, build
 from jdp.cli import plan_arguments
-from jdp.config import ConfigError, load_config, save_config
+from jdp.config import ConfigError, load_config, save_config, validate
 from jdp.model import GPT, lm_loss
 from jdp.optim import make_optimizer
 
@@ -323,3 +327,110 @@ def test_markdown_table_for_the_readme():
     text = plan.markdown_table(load_config("gpt2-small"), "H100", (8, 64, 512))
     rows = text.splitlines()
     assert len(rows) == 5 and rows[2].startswith("| 8 x H100 | nvlink4") and rows[4].startswith("| 512 x H100 | ib-ndr")
+
+
+@pytest.fixture
+def register(monkeypatch):
+    """Register a strategy whose module is made here: its costs are all jdp knows of it, and nothing in jdp/ changes."""
+
+    def add(name: str, gradients: str, **functions) -> None:
+        module = types.ModuleType(f"test_strategy_{name}")
+        module.__dict__.update(functions)
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+        entry = strategies.Strategy(name, module.__name__, "a test's", gradients=gradients)
+        monkeypatch.setitem(strategies.REGISTRY, name, entry)
+        monkeypatch.setitem(config.CHOICES, "parallel.strategy", strategies.names())  # fixed when config was imported
+
+    return add
+
+
+def docs_module(marker: str) -> dict:
+    """The names a Python block of docs/planning.md defines (the one under `<!-- {marker}: ... -->`)."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "planning.md").read_text()
+    after = page.split(f"<!-- {marker}: this block is run by tests/test_plan.py -->\n", 1)[1]
+    namespace: dict = {}
+    exec(re.match(r"```python\n(.*?)^```", after, re.S | re.M).group(1), namespace)
+    return namespace
+
+
+def test_a_strategy_brings_its_costs_in_its_own_module(register):
+    """ZeRO-3's costs as docs/planning.md writes them (strategy-costs), registered with nothing but that module:
+    every byte of the state 1/N per device, the parameters all-gathered before forward and again before backward,
+    the gradients reduce-scattered. The memory check, the planner's step and its printout all take its numbers."""
+    doc = docs_module("strategy-costs")
+    register("sharded", "reduce-scatter", state_bytes=doc["state_bytes"], traffic=doc["traffic"])
+    cfg = load_config("tiny", [*TINY, "parallel.strategy=sharded"])
+    n, whole = 8, plan.device_memory(cfg, 8, 1, False, "ddp")
+    mine = plan.device_memory(cfg, n, 1, False)
+    assert (mine.params, mine.grads, mine.opt_state) == (whole.params // n, whole.grads // n, whole.opt_state // n)
+    assert mine.activations == whole.activations and mine.total < whole.total
+    derived = validate(cfg, 4)
+    held = plan.device_memory(cfg, 4, derived.micro_batch, False)
+    refused = memory.refusal(cfg, derived, memory.Pool(4, True, 1, "on a test host"), "cpu")
+    assert f"each device needs {memory._gb(held.total)} (parameters {memory._gb(held.params)}" in refused
+
+    planner = plan.make_planner(cfg, bandwidth_gbs=0.5)  # a slow link: much of it shows
+    s = planner.step(n, 8)
+    ag = [(n - 1) / n * b / 0.5e9 for b in planner.param_bucket_bytes]
+    rs = [(n - 1) / n * b / 0.5e9 for b in planner.bucket_bytes]
+    assert math.isclose(s.allreduce_s, sum(ag) * 2 + sum(rs), rel_tol=1e-12) and s.latency_s == 0
+    forward, backward = s.compute_s / 3, s.compute_s * 2 / 3
+    exposed = max(ag[-1], sum(ag) - forward) + max(rs[-1], sum(ag) + sum(rs) - backward)
+    assert math.isclose(s.exposed_s, exposed, rel_tol=1e-12) and s.exposed_s > 0
+
+    p = plan.make_plan(cfg, n)
+    by = {c.strategy: c for c in p.strategies}
+    assert set(by) == {*plan.planned_strategies()} and "sharded" in by
+    assert by["sharded"].memory_total == p.memory.total < by["ddp"].memory_total
+    assert by["sharded"].step_s == p.step.step_s != by["ddp"].step_s
+    text = plan.format_plan(p, cfg)
+    mb = plan._size(sum(planner.param_bucket_bytes))
+    assert f"ring: (8-1)/8 x ({mb} of parameters all-gathered + {mb} of parameters all-gathered + " in text
+    assert "; sharded: 1/8 of everything" in text and "the gathers forward and backward cannot hide" in text
+    assert "sharded*" in text
+
+
+def test_a_strategy_names_the_devices_and_link_of_each_ring(register):
+    """HSDP-like: gradients reduce-scattered within groups of 4 devices (inside a node), the shards all-reduced
+    across the groups (one device of each, 4 apart: over the network on 16 GPUs). Each ring is timed on its link."""
+
+    def traffic(buckets, n, grad_accum):
+        shards = tuple(b // 4 for b in buckets.grads)
+        return costs.Traffic(
+            (
+                costs.Collectives("reduce-scatter", "gradients", buckets.grads, "backward", devices=4),
+                costs.Collectives("all-reduce", "gradient shards", shards, "backward", devices=n // 4, apart=4),
+            ),
+            "the last bucket",
+        )
+
+    register("grouped", "reduce-scatter", state_bytes=strategies.get("ddp").costs().state_bytes, traffic=traffic)
+    cfg = load_config("tiny", ["train.batch_size=32", "parallel.strategy=grouped"])
+    planner = plan.make_planner(cfg)
+    g = sum(planner.bucket_bytes)
+    nvlink, ib = hardware.INTERCONNECTS["nvlink4"], hardware.INTERCONNECTS["ib-ndr"]
+    s = planner.step(16, 8)
+    expected = 3 / 4 * g / (nvlink.busbw_gbs * 1e9) + 2 * 3 / 4 * sum(b // 4 for b in planner.bucket_bytes) / (
+        ib.busbw_gbs * 1e9
+    )
+    assert math.isclose(s.allreduce_s, expected, rel_tol=1e-12)
+    assert math.isclose(s.latency_s, len(planner.bucket_bytes) * (nvlink.latency_us + ib.latency_us) * 1e-6)
+    text = plan.format_plan(plan.make_plan(cfg, 16), cfg)
+    assert (
+        " / 370 GB/s (nvlink4) + 2(4-1)/4 x " in text
+        and " of gradient shards all-reduced / 368 GB/s (ib-ndr) = " in text
+    )
+
+
+def test_every_strategy_counts_its_own_costs_as_its_registry_entry_says():
+    """Each registered module answers the planner (state_bytes; traffic where planned), and its collectives are the
+    ones its entry names for `jdp allreduce` (the gradients' kind; an all-gather where it gathers parameters)."""
+    buckets = costs.Buckets((400, 300), (200, 150), "float32")
+    for name, entry in strategies.REGISTRY.items():
+        module = entry.costs()
+        assert callable(module.state_bytes), name
+        if not entry.planned:
+            continue
+        for grad_accum in (1, 2):
+            kinds = [c.kind for c in module.traffic(buckets, 4, grad_accum).collectives]
+            assert kinds[0] == entry.gradients and ("all-gather" in kinds) == entry.gathers_parameters, name

@@ -1,10 +1,17 @@
 """The strategies: how the data-parallel step keeps and updates the state. One module each, one registry.
 
 A strategy's module (`ddp.py`, `zero1.py`, `dp.py`) holds what needs JAX: `layout(mesh)` (how its optimizer state
-lies, which checkpoints record), `opt_shardings(shapes, mesh)` (where that state lives) and `make_train_step(...)`.
-Its entry below holds what the rest of jdp asks about it without importing JAX (the `jdp` command starts without
-it): the config checks, its XLA options, and what the planner and the memory check count. Nothing outside this
-package compares strategy names (tests/test_shape.py checks it): adding a strategy is one module and one entry.
+lies, which checkpoints record), `opt_shardings(shapes, mesh)` (where that state lives), `make_train_step(...)`, and
+what it costs, in jdp/costs.py's terms: `state_bytes(...)` (what one device holds; the memory check and `jdp plan`
+add the activations) and `traffic(buckets, n, grad_accum)` (the collectives of one step, which `jdp plan` times on
+a link). Its entry below holds what the rest of jdp asks about it without importing JAX (the `jdp` command starts
+without it): the config checks, its XLA options, and a few words for the planner's and the memory check's messages.
+Nothing outside this package compares strategy names (tests/test_shape.py checks it).
+
+Adding a strategy is one module with those functions and one entry here (and its name in README's module table):
+the config accepts its name, `jdp train` and the library run it, the memory check counts its bytes, and `jdp plan`
+prints it beside the others (where its entry names the collective its gradients travel by), with no line changed
+elsewhere (docs/planning.md).
 """
 
 from __future__ import annotations
@@ -22,14 +29,14 @@ __all__ = ["REGISTRY", "Strategy", "get", "names"]
 @dataclass(frozen=True)
 class Strategy:
     name: str
-    module: str  # its layout, placement and step (imported on first use)
+    module: str  # its layout, placement, step and costs (imported on first use)
     summary: str
     comm_hooks: bool = False  # a communication hook (hooks.py) may replace the mean of its gradient buckets
     one_process: bool = False  # cannot span processes
-    split_optimizer: bool = False  # each device keeps 1/N of the optimizer state
-    master: bool = False  # one device receives every gradient and keeps the optimizer state
-    gradients: str = "all-reduce"  # the collective gradients travel by ("": gathered onto the master)
-    gathers_parameters: bool = False  # the updated parameters are all-gathered after the update
+    split_optimizer: bool = False  # each device keeps 1/N of the optimizer state (the memory check suggests it)
+    master: bool = False  # one device receives every gradient and keeps the optimizer state (messages name it)
+    gradients: str = "all-reduce"  # the collective gradients travel by ("": gathered onto the master, not planned)
+    gathers_parameters: bool = False  # the updated parameters are all-gathered (`jdp allreduce` matches them)
     combine_cpu_all_reduces: bool = False  # XLA:CPU may merge its all-reduces (they are scalars only)
     instead: tuple[str, ...] = ()  # what the memory check suggests when this one does not fit, in order
     saves: str = ""  # why it needs less memory than the others, for that suggestion ({n}: devices, {opt}: bytes)
@@ -41,6 +48,11 @@ class Strategy:
 
     def steps(self) -> ModuleType:
         """Its module: layout(mesh), opt_shardings(shapes, mesh), make_train_step(...)."""
+        return importlib.import_module(self.module)
+
+    def costs(self) -> ModuleType:
+        """Its module, for what it costs: state_bytes(params, opt_state, optimizer, n, grad_accum) -> costs.Memory,
+        and where planned, traffic(buckets, n, grad_accum) -> costs.Traffic."""
         return importlib.import_module(self.module)
 
     def problems(self, parallel: Any, n_processes: int) -> list[str]:

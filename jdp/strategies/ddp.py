@@ -10,12 +10,13 @@ import jax
 import optax
 from jax.sharding import PartitionSpec as P
 
+from jdp.costs import Buckets, Collectives, Memory, Traffic, tree_bytes
 from jdp.guards import RefusingDonated, checking_rows
 from jdp.hooks import CommHook
 from jdp.mesh import AXIS, Batch
 from jdp.step import LossFn, OptLayout, TrainState, global_grads, hook_states, update
 
-__all__ = ["layout", "make_train_step", "opt_shardings"]
+__all__ = ["layout", "make_train_step", "opt_shardings", "state_bytes", "traffic"]
 
 
 def layout(mesh: jax.sharding.Mesh) -> OptLayout:
@@ -25,6 +26,30 @@ def layout(mesh: jax.sharding.Mesh) -> OptLayout:
 
 def opt_shardings(shapes, mesh: jax.sharding.Mesh):
     return layout(mesh).shardings(shapes, mesh)
+
+
+def state_bytes(params, opt_state, optimizer: optax.GradientTransformation, n: int, grad_accum: int) -> Memory:
+    """What each device holds (shapes only): the parameters, their gradients (and their running sum with
+    grad_accum > 1), the whole optimizer state."""
+    p = tree_bytes(params)
+    return Memory(params=p, grads=p, accumulator=p if grad_accum > 1 else 0, opt_state=tree_bytes(opt_state))
+
+
+def traffic(buckets: Buckets, n: int, grad_accum: int) -> Traffic:
+    """One all-reduce per bucket (or a communication hook's collectives), each issued as backward finishes its
+    bucket; with grad_accum > 1 jdp reduces once after the accumulation loop, where nothing hides them (DDP would
+    overlap the last micro-batch's backward)."""
+    overlaps = "backward" if grad_accum == 1 else ""
+    if buckets.wire:
+        sent = Collectives("all-reduce", buckets.wire_what, buckets.wire, overlaps, buckets.wire_calls)
+    else:
+        sent = Collectives("all-reduce", f"{buckets.reduce_dtype} gradients", buckets.grads, overlaps)
+    exposed = (
+        "the last bucket, or what does not fit inside backward (2/3 of compute)"
+        if grad_accum == 1
+        else f"all of it: with train.grad_accum={grad_accum} jdp reduces after the accumulation loop"
+    )
+    return Traffic((sent,), exposed)
 
 
 def make_train_step(

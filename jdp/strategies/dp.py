@@ -9,12 +9,13 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from jdp.costs import Memory, tree_bytes
 from jdp.guards import RefusingDonated, checking_rows
 from jdp.hooks import CommHook
 from jdp.mesh import AXIS, Batch, master_device, replicated
 from jdp.step import LossFn, OptLayout, TrainState, local_sums, update
 
-__all__ = ["layout", "make_train_step", "opt_shardings"]
+__all__ = ["layout", "make_train_step", "opt_shardings", "state_bytes"]
 
 
 def layout(mesh: jax.sharding.Mesh) -> OptLayout:
@@ -24,6 +25,15 @@ def layout(mesh: jax.sharding.Mesh) -> OptLayout:
 
 def opt_shardings(shapes, mesh: jax.sharding.Mesh):
     return jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(master_device(mesh)), shapes)
+
+
+def state_bytes(params, opt_state, optimizer: optax.GradientTransformation, n: int, grad_accum: int) -> Memory:
+    """What the master holds: every device's gradients, gathered, and the only optimizer state; each other device
+    its parameters and its own gradients. (No `traffic`: the planner models collectives, and dp has none.)"""
+    p = tree_bytes(params)
+    accumulator = p if grad_accum > 1 else 0
+    others = Memory(params=p, grads=p, accumulator=accumulator, opt_state=0)
+    return Memory(p, p * n, accumulator, tree_bytes(opt_state), others=others)
 
 
 def make_train_step(

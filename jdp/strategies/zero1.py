@@ -12,12 +12,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdp.buckets import Bucket, bucket_plan
+from jdp.costs import Buckets, Collectives, Memory, Traffic, tree_bytes
 from jdp.guards import RefusingDonated, check_batch
 from jdp.hooks import CommHook
 from jdp.mesh import AXIS, Batch, split_spec
 from jdp.step import LossFn, OptLayout, TrainState, apply_update, keep_if, local_sums, micro_spec
 
-__all__ = ["layout", "make_train_step", "opt_shardings"]
+__all__ = ["layout", "make_train_step", "opt_shardings", "state_bytes", "traffic"]
 
 
 def layout(mesh: jax.sharding.Mesh) -> OptLayout:
@@ -27,6 +28,27 @@ def layout(mesh: jax.sharding.Mesh) -> OptLayout:
 
 def opt_shardings(shapes, mesh: jax.sharding.Mesh):
     return layout(mesh).shardings(shapes, mesh)
+
+
+def state_bytes(params, opt_state, optimizer: optax.GradientTransformation, n: int, grad_accum: int) -> Memory:
+    """ddp's, but of the optimizer state each device holds its slice of every leaf (padded to a multiple of n,
+    exactly what layout places) and the scalars whole."""
+    p = tree_bytes(params)
+    shapes = OptLayout(n).shapes(optimizer, params)
+    split = [x for x in jax.tree.leaves(shapes) if x.ndim >= 1 and x.shape[-1] % n == 0]
+    opt = tree_bytes(shapes) - tree_bytes(split) + tree_bytes(split) // n
+    return Memory(p, p, p if grad_accum > 1 else 0, opt, opt_note=f"this device's 1/{n}")
+
+
+def traffic(buckets: Buckets, n: int, grad_accum: int) -> Traffic:
+    """ddp's bytes as two halves: a reduce-scatter per bucket, hidden behind backward as ddp's all-reduces are, and
+    an all-gather per bucket of the updated parameters, which cannot start before the whole gradient's norm is
+    known (clipping, the skip guard), so all of it shows."""
+    overlaps = "backward" if grad_accum == 1 else ""
+    scatter = Collectives("reduce-scatter", f"{buckets.reduce_dtype} gradients", buckets.grads, overlaps)
+    gather = Collectives("all-gather", "parameters", buckets.params)
+    exposed = "the reduce-scatters backward cannot hide, and every all-gather (they wait for the whole gradient's norm)"
+    return Traffic((scatter, gather), exposed)
 
 
 def _scatter_buckets(grads, buckets: list[Bucket], reduce_dtype: str, n: int):
