@@ -29,6 +29,8 @@ _EXPORTS = {
     "ConfigError": "jdp.config",
     "load_config": "jdp.config",
     "GPT": "jdp.model",
+    "Llama": "jdp.llama",
+    "make_model": "jdp.model",
     "lm_loss": "jdp.model",
     "make_optimizer": "jdp.optim",
     "AXIS": "jdp.parallel",
@@ -53,6 +55,7 @@ __all__ = [
     "AXIS",
     "GPT",
     "Callback",
+    "Llama",
     "Config",
     "ConfigError",
     "Loader",
@@ -66,6 +69,7 @@ __all__ = [
     "load_config",
     "make_eval_step",
     "make_mesh",
+    "make_model",
     "make_optimizer",
     "make_train_step",
     "process_rows",
@@ -96,8 +100,9 @@ if TYPE_CHECKING:
     from jdp.callbacks import Callback, StepInfo, every
     from jdp.config import Config, ConfigError, load_config
     from jdp.dataset import Loader
+    from jdp.llama import Llama
     from jdp.lm import train
-    from jdp.model import GPT, lm_loss
+    from jdp.model import GPT, lm_loss, make_model
     from jdp.nn import RowDropout
     from jdp.optim import make_optimizer
     from jdp.parallel import (

@@ -1,4 +1,5 @@
-"""From a config to what a run of jdp's GPT needs: the model, the optimizer, the replicated state and the step.
+"""From a config to what a run of jdp's model (GPT or Llama) needs: the model, the optimizer, the replicated state
+and the step.
 
 Shared by training, `jdp generate` (the state's structure to restore into) and `jdp allreduce` (a step to compile).
 """
@@ -15,7 +16,7 @@ from flax import nnx
 from jdp import parallel
 from jdp.config import Config, ParallelConfig
 from jdp.hooks import CommHook, PowerSGD
-from jdp.model import GPT, count_params, lm_loss
+from jdp.model import count_params, lm_loss, make_model
 from jdp.optim import make_optimizer
 
 
@@ -28,12 +29,12 @@ class Built(NamedTuple):
     comm_hook: CommHook | None  # parallel.compression's hook
 
 
-def build(cfg: Config, mesh: jax.sharding.Mesh, model: GPT | None = None) -> Built:
+def build(cfg: Config, mesh: jax.sharding.Mesh, model: nnx.Module | None = None) -> Built:
     """The configured model, its initial state (laid out for parallel.strategy) and jitted train step on `mesh`.
 
-    `model`: the parameters to start from (an import, jdp.hf.load_model); default a fresh GPT from train.seed.
+    `model`: the parameters to start from (an import, jdp.hf.load_model); default a fresh model.arch from train.seed.
     """
-    model = model if model is not None else GPT(cfg.model, nnx.Rngs(cfg.train.seed))
+    model = model if model is not None else make_model(cfg.model, nnx.Rngs(cfg.train.seed))
     n_params = count_params(model)
     optimizer, schedule = make_optimizer(cfg.optim, cfg.train.steps)
     p = cfg.parallel

@@ -31,6 +31,7 @@ __all__ = [
     "TrainConfig",
     "explicit_keys",
     "load_config",
+    "model_problems",
     "resolve_config_path",
     "save_config",
     "split_config_args",
@@ -57,6 +58,39 @@ class ModelConfig:
     attention: str = "auto"  # auto (cuDNN's kernel on GPUs, einsum elsewhere), einsum, xla or cudnn
     bias: bool = False  # biases in every projection (GPT-2 has them)
     vocab_valid: int = 0  # ids from here to vocab_size are padding and never get probability; 0: none are
+    # gpt: learned positions, LayerNorm, GELU MLP, multi-head attention, biases by model.bias (jdp/model.py);
+    # llama: rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention (Llama, Qwen2, Mistral, SmolLM; llama.py)
+    arch: str = "gpt"
+    norm_eps: float = 1e-5  # every norm's epsilon (GPT's LayerNorm, Llama's RMSNorm)
+    # The keys below are Llama's: with arch=gpt they keep their defaults.
+    n_kv_heads: int = 0  # key/value heads, dividing n_heads (1: multi-query attention); 0: n_heads (multi-head)
+    d_ff: int = 0  # SwiGLU hidden width; 0: 8/3 d_model rounded up to a multiple of 64 (Llama's rule)
+    head_dim: int = 0  # width of each attention head (even: RoPE rotates pairs); 0: d_model / n_heads
+    rope_theta: float = 10000.0  # RoPE base: head pair i turns at theta^(-2i/head_dim) radians per position
+    rope_scaling: str = ""  # "": plain RoPE; llama3: Llama 3.1's frequency scaling, by the four keys below
+    rope_factor: float = 8.0  # llama3: the lowest frequencies are divided by this
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above rope_original_max_len / this are divided
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below rope_original_max_len / this are kept
+    rope_original_max_len: int = 8192  # llama3: the context the model was first trained at
+    qkv_bias: bool = False  # biases on the q, k and v projections only (Qwen2)
+    tie_embeddings: bool = True  # the output projection is the token embedding (GPT's always is); false: lm_head
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (G): n_kv_heads, or n_heads when it is 0 (GPT's always are)."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_width(self) -> int:
+        """Each head's width (K): head_dim, or d_model / n_heads when it is 0 (GPT's always is)."""
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def ff_width(self) -> int:
+        """The MLP's hidden width (F): GPT's mlp_ratio x d_model; Llama's d_ff, or 8/3 d_model rounded up to 64."""
+        if self.arch == "gpt":
+            return self.mlp_ratio * self.d_model
+        return self.d_ff or -(-8 * self.d_model // (3 * 64)) * 64
 
 
 @dataclass(frozen=True)
@@ -309,13 +343,15 @@ RANGES = {
         ["model.vocab_size", "model.max_seq_len", "model.d_model", "model.n_layers", "model.n_heads",
          "model.mlp_ratio", "data.seq_len", "train.steps", "train.batch_size", "train.grad_accum", "train.log_every",
          "train.ckpt_keep", "train.step_timeout_s", "parallel.init_timeout_s", "parallel.heartbeat_timeout_s",
-         "optim.lr", "optim.eps", "parallel.powersgd_rank"],
+         "optim.lr", "optim.eps", "parallel.powersgd_rank", "model.norm_eps", "model.rope_theta", "model.rope_factor",
+         "model.rope_low_freq_factor", "model.rope_high_freq_factor", "model.rope_original_max_len"],
         _POSITIVE,
     ),
     **dict.fromkeys(
         ["model.vocab_valid", "data.val_tokens", "data.prefetch", "data.num_proc", "train.eval_every", "train.ckpt_every",
          "train.max_bad_steps", "train.check_replicas_every", "optim.warmup_steps", "optim.weight_decay",
-         "optim.grad_clip", "parallel.bucket_mb", "parallel.powersgd_warmup"],
+         "optim.grad_clip", "parallel.bucket_mb", "parallel.powersgd_warmup", "model.n_kv_heads", "model.d_ff",
+         "model.head_dim"],
         _NON_NEGATIVE,
     ),
     **dict.fromkeys(["optim.b1", "optim.b2", "optim.momentum"], _FRACTION),
@@ -326,6 +362,7 @@ CHOICES = {
     "model.dtype": DTYPES,
     "model.param_dtype": DTYPES,
     "model.attention": ("auto", "einsum", "xla", "cudnn"),
+    "model.arch": ("gpt", "llama"),
     "data.encoding_errors": ("strict", "replace", "ignore"),
     "data.text_unit": ("file", "line", "paragraph"),
     "optim.name": ("adamw", "sgd"),
@@ -350,14 +387,69 @@ def _value_problems(cfg: Config) -> list[str]:
     return problems
 
 
+_LLAMA_ONLY = ("n_kv_heads", "d_ff", "head_dim", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
+               "rope_high_freq_factor", "rope_original_max_len", "qkv_bias", "tie_embeddings")  # fmt: skip
+_LLAMA3_ONLY = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len")
+
+
+def model_problems(m: ModelConfig) -> list[str]:
+    """What the model's keys get wrong together (each key's own range is _value_problems'), each naming the key and
+    the fix; checked by validate, and by make_model for a ModelConfig built in code."""
+    problems, default = [], ModelConfig()
+    if m.vocab_valid > m.vocab_size:
+        problems.append(f"model.vocab_valid={m.vocab_valid} is more than model.vocab_size={m.vocab_size}")
+    if m.n_heads <= 0:
+        return problems  # _value_problems names it; the rest divides by it
+    if not m.head_dim and m.d_model % m.n_heads:
+        problems.append(
+            f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}"
+            + ("" if m.arch == "gpt" else "; set model.head_dim for heads of another width")
+        )
+    if m.arch == "gpt":
+        changed = [f"model.{k}={getattr(m, k)!r}" for k in _LLAMA_ONLY if getattr(m, k) != getattr(default, k)]
+        if changed:
+            problems.append(f"{', '.join(changed)}: Llama's key(s), not GPT's; leave them out or set model.arch=llama")
+        return problems
+    if m.bias:
+        problems.append(
+            "model.bias=true with model.arch=llama: Llama has no biases on o_proj or the MLP; for biases on q, k and v "
+            "(Qwen2) set model.qkv_bias=true instead"
+        )
+    if m.mlp_ratio != default.mlp_ratio:
+        problems.append(
+            f"model.mlp_ratio={m.mlp_ratio} is GPT's MLP width; Llama's is model.d_ff (leave mlp_ratio out)"
+        )
+    if m.n_kv_heads and m.n_heads % m.n_kv_heads:
+        problems.append(
+            f"model.n_kv_heads={m.n_kv_heads} does not divide model.n_heads={m.n_heads}; use a divisor (1: multi-query, "
+            f"{m.n_heads}: multi-head)"
+        )
+    if m.head_width % 2:
+        where = f"model.head_dim={m.head_dim}" if m.head_dim else f"model.d_model / model.n_heads = {m.head_width}"
+        problems.append(f"{where} is odd; RoPE rotates pairs of dimensions: make each head's width even")
+    if m.rope_scaling not in ("", "llama3"):
+        problems.append(
+            f'model.rope_scaling={m.rope_scaling!r}: jdp computes llama3 (Llama 3.1\'s) scaling or none (""); '
+            f"a model with another scaling cannot be trained or imported exactly"
+        )
+    elif not m.rope_scaling:
+        changed = [f"model.{k}={getattr(m, k)}" for k in _LLAMA3_ONLY if getattr(m, k) != getattr(default, k)]
+        if changed:
+            problems.append(
+                f"{', '.join(changed)} without model.rope_scaling=llama3 would be unused; set both or neither"
+            )
+    elif m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        problems.append(
+            f"model.rope_high_freq_factor={m.rope_high_freq_factor} must be more than model.rope_low_freq_factor="
+            f"{m.rope_low_freq_factor} (llama3 scaling blends the wavelengths between them)"
+        )
+    return problems
+
+
 def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Derived:
     """Everything about the config alone that can be wrong, checked before data or compilation."""
     m, d, t, par = cfg.model, cfg.data, cfg.train, cfg.parallel
-    problems = _value_problems(cfg)
-    if m.d_model % max(m.n_heads, 1):
-        problems.append(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
-    if m.vocab_valid > m.vocab_size:
-        problems.append(f"model.vocab_valid={m.vocab_valid} is more than model.vocab_size={m.vocab_size}")
+    problems = _value_problems(cfg) + model_problems(m)
     if d.seq_len > m.max_seq_len:
         problems.append(
             f"data.seq_len={d.seq_len} is longer than the model supports (model.max_seq_len={m.max_seq_len}); "

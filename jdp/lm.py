@@ -1,5 +1,5 @@
-"""`jdp train`: the language-model task. jdp's GPT (fresh, or imported from Hugging Face), the LM loss and the
-text pipeline, handed to the trainer; everything else (the loop, checkpoints, faults) is trainer.py's."""
+"""`jdp train`: the language-model task. jdp's model, GPT or Llama (fresh, or imported from Hugging Face), the LM
+loss and the text pipeline, handed to the trainer; everything else (the loop, checkpoints, faults) is trainer.py's."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from jdp.data import Data, eval_batches, load_data
 from jdp.log import logger
 from jdp.memory import check_memory
 from jdp.metrics import flops_per_token
-from jdp.model import GPT, lm_loss
+from jdp.model import lm_loss, make_model
 from jdp.optim import make_optimizer
 from jdp.trainer import Trainer
 from jdp.world import World
@@ -27,14 +27,14 @@ log = logger("jdp.lm")
 
 
 def train(cfg: Config, world: World | None = None, explicit: frozenset[str] = frozenset()) -> dict:
-    """Train the configured GPT; returns the last train and eval metrics (and the final state). `explicit`: the
+    """Train the configured model; returns the last train and eval metrics (and the final state). `explicit`: the
     keys the user set on the command line (`model.d_model`, ...), which an import must agree with."""
     cfg, adopted = checked_import(cfg, explicit) if cfg.train.init_from else (cfg, [])
     return LanguageModel(cfg, world, adopted).fit()
 
 
 class LanguageModel(Trainer):
-    """The trainer for jdp's GPT on text: the model, the loss and the data are the only things it adds."""
+    """The trainer for jdp's models (model.arch) on text: the model, the loss and the data are the only things it adds."""
 
     unit = "tokens"
 
@@ -69,7 +69,7 @@ class LanguageModel(Trainer):
         if self.cfg.train.init_from:
             model, self.imported = hf.load_model(self.cfg.model, self.cfg.train.init_from)
             return model
-        return GPT(self.cfg.model, nnx.Rngs(self.cfg.train.seed))
+        return make_model(self.cfg.model, nnx.Rngs(self.cfg.train.seed))
 
     def describe_model(self, n_params: int, peak: float, peak_source: str) -> str:
         return (

@@ -1,4 +1,5 @@
-"""A GPT-style decoder-only transformer in Flax NNX; it never mentions devices or meshes.
+"""A GPT-style decoder-only transformer in Flax NNX, and `make_model`, the config's model (GPT or Llama, llama.py); it
+never mentions devices or meshes.
 
 Dimension glossary: B batch, L sequence length, N = B * L tokens, D model width, H heads, K head width (D / H),
 F MLP width, V vocabulary, P positions (max_seq_len).
@@ -13,19 +14,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jdp.config import ModelConfig
+from jdp.attention import attention
+from jdp.config import ConfigError, ModelConfig, model_problems
+from jdp.llama import Llama
 
-__all__ = [
-    "GPT",
-    "MLP",
-    "Block",
-    "CausalSelfAttention",
-    "attention_scores",
-    "causal_attention",
-    "count_params",
-    "lm_loss",
-    "query_blocks",
-]
+__all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "count_params", "lm_loss", "make_model"]
 
 
 def _linear(cfg: ModelConfig, d_in: int, d_out: int, std: float, rngs: nnx.Rngs) -> nnx.Linear:
@@ -44,42 +37,7 @@ def _linear(cfg: ModelConfig, d_in: int, d_out: int, std: float, rngs: nnx.Rngs)
 
 
 def _norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
-    return nnx.LayerNorm(cfg.d_model, epsilon=1e-5, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
-
-
-def query_blocks(L: int) -> int:
-    """How many query blocks the written-out causal attention splits L into (blocks of 64 to L/8 queries)."""
-    size = max(64, L // 8)
-    return L // size if L % size == 0 else 1
-
-
-def attention_scores(L: int) -> int:
-    """Query-key scores per sequence and head that causal_attention computes: L^2 (n + 1) / 2n with n blocks."""
-    n = query_blocks(L)
-    return (L // n) ** 2 * n * (n + 1) // 2
-
-
-def causal_attention(q_BxHxLxK: jax.Array, k_BxHxLxK: jax.Array, v_BxHxLxK: jax.Array) -> jax.Array:
-    """softmax(q k^T / sqrt(K) + causal mask) v, written out in heads-major layout, one query block at a time.
-
-    Query block i attends only keys up to the block's end, so the fully masked part of q k^T is never computed:
-    with 2 blocks (L = 128) a quarter of the attention work goes, with 8 (L >= 512) 44%. On CPUs XLA runs this
-    faster than jax.nn.dot_product_attention's generic path (fewer transposes, an additive mask;
-    docs/performance.md); on GPUs the fused cuDNN kernel wins, so "auto" picks per platform.
-    """
-    L, K = q_BxHxLxK.shape[-2:]
-    n = query_blocks(L)
-    Q = L // n
-    q_BxHxLxK = q_BxHxLxK * (K**-0.5)
-    outputs = []
-    for i in range(n):
-        end = (i + 1) * Q  # this block's queries see keys [0, end)
-        scores_BxHxQxE = jnp.einsum("bhqk,bhek->bhqe", q_BxHxLxK[:, :, i * Q : end], k_BxHxLxK[:, :, :end])
-        visible_QxE = jnp.arange(i * Q, end)[:, None] >= jnp.arange(end)[None, :]
-        mask_QxE = jnp.where(visible_QxE, 0.0, -1e9).astype(scores_BxHxQxE.dtype)
-        probs_BxHxQxE = jax.nn.softmax((scores_BxHxQxE + mask_QxE).astype(jnp.float32), axis=-1)
-        outputs.append(jnp.einsum("bhqe,bhek->bhqk", probs_BxHxQxE.astype(v_BxHxLxK.dtype), v_BxHxLxK[:, :, :end]))
-    return outputs[0] if n == 1 else jnp.concatenate(outputs, axis=2)
+    return nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
 
 
 class CausalSelfAttention(nnx.Module):
@@ -94,17 +52,8 @@ class CausalSelfAttention(nnx.Module):
         D = x_NxD.shape[-1]
         H, K = self.n_heads, D // self.n_heads
         qkv_Nx3D = self.qkv(x_NxD)
-        kind = self.attention
-        if kind == "auto":  # cuDNN's fused kernel where jax can use it, the written-out one elsewhere
-            kind = "dot_product_attention" if jax.default_backend() == "gpu" else "einsum"
-        if kind == "einsum":
-            q, k, v = qkv_Nx3D.reshape(B, L, 3, H, K).transpose(2, 0, 3, 1, 4)  # each BxHxLxK
-            y_BxLxHxK = causal_attention(q, k, v).transpose(0, 2, 1, 3)
-        else:  # jax.nn.dot_product_attention: implementation None (jax picks), "xla" or "cudnn"
-            q, k, v = qkv_Nx3D.reshape(B, L, 3, H, K).transpose(2, 0, 1, 3, 4)  # each BxLxHxK
-            implementation = None if kind == "dot_product_attention" else kind
-            y_BxLxHxK = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
-        return self.out(y_BxLxHxK.reshape(B * L, D))
+        q, k, v = qkv_Nx3D.reshape(B, L, 3, H, K).transpose(2, 0, 1, 3, 4)  # each BxLxHxK
+        return self.out(attention(q, k, v, self.attention).reshape(B * L, D))
 
 
 class MLP(nnx.Module):
@@ -164,6 +113,17 @@ class GPT(nnx.Module):
         if 0 < valid < V:  # the rows padded onto an imported vocabulary never get probability
             logits_NxV = jnp.where(jnp.arange(V) < valid, logits_NxV, -1e30)
         return logits_NxV.reshape(B, L, -1)
+
+
+def make_model(m: ModelConfig, rngs: nnx.Rngs) -> GPT | Llama:
+    """The model `m` describes: jdp's GPT (model.arch=gpt) or the Llama family (llama); refused in the config's
+    words when its keys do not fit together (as validate refuses them for `jdp train`)."""
+    families = {"gpt": GPT, "llama": Llama}
+    if m.arch not in families:
+        raise ConfigError(f"model.arch={m.arch!r} must be one of {', '.join(families)}")
+    if problems := model_problems(m):
+        raise ConfigError("invalid model config:\n  " + "\n  ".join(problems))
+    return families[m.arch](m, rngs)
 
 
 def lm_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:

@@ -80,7 +80,7 @@ def measure_single(config: str, overrides: list[str], rounds: int, steps: int) -
     from jdp.build import build
     from jdp.data import Prefetcher, load_data
     from jdp.metrics import flops_per_token, peak_flops
-    from jdp.model import GPT, lm_loss
+    from jdp.model import lm_loss, make_model
     from jdp.optim import make_optimizer
 
     t = cfg.train
@@ -107,7 +107,7 @@ def measure_single(config: str, overrides: list[str], rounds: int, steps: int) -
         pending[0] = None
 
     # Bare: the same model, optimizer and batch in the most direct JAX there is.
-    model = GPT(cfg.model, nnx.Rngs(t.seed))
+    model = make_model(cfg.model, nnx.Rngs(t.seed))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     optimizer, _ = make_optimizer(cfg.optim, t.steps)
     opt_state = optimizer.init(params)

@@ -25,7 +25,7 @@ from jdp import parallel
 from jdp.config import load_config, validate
 from jdp.data import load_data
 from jdp.metrics import flops_per_token
-from jdp.model import GPT, lm_loss
+from jdp.model import lm_loss, make_model
 from jdp.optim import make_optimizer
 
 
@@ -41,7 +41,7 @@ def step_tokens_per_sec(cfg, steps: int) -> float:
     mesh = parallel.make_mesh()
     t = cfg.train
     optimizer, schedule = make_optimizer(cfg.optim, t.steps)
-    graphdef, state = parallel.init_state(GPT(cfg.model, nnx.Rngs(0)), optimizer, mesh)
+    graphdef, state = parallel.init_state(make_model(cfg.model, nnx.Rngs(0)), optimizer, mesh)
     train_step = parallel.make_train_step(graphdef, lm_loss, optimizer, mesh, t.grad_accum, schedule)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 256, (t.batch_size, cfg.data.seq_len + 1)).astype(np.int32)

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jdp.attention import attention_scores, causal_attention, query_blocks
 from jdp.config import ModelConfig
-from jdp.model import GPT, attention_scores, causal_attention, count_params, lm_loss, query_blocks
+from jdp.model import GPT, count_params, lm_loss
 
 CFG = ModelConfig(vocab_size=64, max_seq_len=16, d_model=32, n_layers=2, n_heads=4)
 

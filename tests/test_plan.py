@@ -78,8 +78,17 @@ def test_gpt2_small_state_bytes():
             "train.batch_size=16",
             "train.grad_accum=2",
         ],
+        [
+            "model.arch=llama",
+            "model.n_kv_heads=2",
+            "model.n_layers=2",
+            "model.d_model=64",
+            "data.seq_len=128",
+            "model.max_seq_len=128",
+            "train.batch_size=4",
+        ],
     ],
-    ids=["2x64-L128-B4", "2x96-L32-B16-accum2"],
+    ids=["2x64-L128-B4", "2x96-L32-B16-accum2", "llama-gqa-2x64-L128-B4"],
 )
 def test_activation_estimate_matches_the_compiled_step(overrides):
     """The compiled step's arguments are the state and the batch, its outputs alias the donated state, and its
