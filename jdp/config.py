@@ -366,10 +366,16 @@ CHOICES = {
     "data.encoding_errors": ("strict", "replace", "ignore"),
     "data.text_unit": ("file", "line", "paragraph"),
     "optim.name": ("adamw", "sgd"),
-    "parallel.strategy": strategies.names(),
+    "parallel.strategy": strategies.names,  # looked up at each check: a strategy registered later counts
     "parallel.reduce_dtype": ("float32", "bfloat16"),
     "parallel.compression": ("none", "powersgd"),
 }
+
+
+def choices_of(name: str) -> tuple[str, ...]:
+    """The values `name` may take (CHOICES holds a tuple, or a function for a registry that may grow)."""
+    choices = CHOICES[name]
+    return tuple(choices() if callable(choices) else choices)
 
 
 def _value_problems(cfg: Config) -> list[str]:
@@ -382,8 +388,8 @@ def _value_problems(cfg: Config) -> list[str]:
                 problems.append(f"{name}={v} must be a finite number")
             elif name in RANGES and not RANGES[name][0](v):
                 problems.append(f"{name}={v} must be {RANGES[name][1]}")
-            elif name in CHOICES and v not in CHOICES[name]:
-                problems.append(f"{name}={v!r} must be one of {', '.join(CHOICES[name])}")
+            elif name in CHOICES and v not in (choices := choices_of(name)):
+                problems.append(f"{name}={v!r} must be one of {', '.join(choices)}")
     return problems
 
 

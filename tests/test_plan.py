@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jdp import config, costs, hardware, memory, parallel, plan, strategies
+from jdp import costs, hardware, memory, parallel, plan, strategies
 from jdp.build import batch_spec, build
 from jdp.cli import plan_arguments
 from jdp.config import ConfigError, load_config, save_config, validate
@@ -348,7 +348,6 @@ def register(monkeypatch):
         monkeypatch.setitem(sys.modules, module.__name__, module)
         entry = strategies.Strategy(name, module.__name__, "a test's", gradients=gradients)
         monkeypatch.setitem(strategies.REGISTRY, name, entry)
-        monkeypatch.setitem(config.CHOICES, "parallel.strategy", strategies.names())  # fixed when config was imported
 
     return add
 
