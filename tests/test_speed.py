@@ -13,8 +13,9 @@ from test_parallel import CFG, make_batch, params_close, rel_diff
 
 from jdp import parallel, strategies
 from jdp.buckets import bucket_plan
-from jdp.config import OptimConfig
-from jdp.hlo import Collective, _rows, all_reduces
+from jdp.build import build as build_from_config
+from jdp.config import OptimConfig, load_config
+from jdp.hlo import Collective, _rows, all_reduce_report, all_reduces
 from jdp.model import GPT, lm_loss
 from jdp.optim import make_optimizer
 from jdp.world import set_xla_flags
@@ -76,6 +77,33 @@ def test_buckets_go_in_reverse_layer_order():
     assert last_block < first_block, names  # block 1's gradients are ready (and reduced) before block 0's
     # The tied embedding is used first (lookup) and last (logits): its gradient completes last.
     assert names[-1] == "embed.embedding", names
+
+
+# A Llama with every parameter kind: grouped-query attention (4 query heads on 2 key/value heads), q/k/v biases.
+LLAMA = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=48"]
+LLAMA += ["model.qkv_bias=true", "model.vocab_size=64", "model.max_seq_len=16", "data.seq_len=16", "train.batch_size=8"]
+LLAMA_BLOCK = ["attn_norm.scale", "attn.q.kernel", "attn.q.bias", "attn.k.kernel", "attn.k.bias", "attn.v.kernel"]
+LLAMA_BLOCK += ["attn.v.bias", "attn.o.kernel", "mlp_norm.scale", "mlp.gate.kernel", "mlp.up.kernel", "mlp.down.kernel"]
+
+
+def test_llama_buckets_go_in_backward_order_and_are_the_compiled_all_reduces():
+    """`jdp allreduce` for the Llama, one gradient per bucket: the buckets are the parameters' first uses in the
+    forward pass, reversed (the output and final norm first, the last block before the first, in a block the MLP
+    before attention, the embedding last; tied, the embedding still last), and the compiled step all-reduces
+    exactly those buckets, none inside a loop."""
+    for tied in (False, True):
+        cfg = load_config("llama-tiny", [*LLAMA, f"model.tie_embeddings={tied}", "parallel.bucket_mb=0.0001"])
+        built = build_from_config(cfg, parallel.make_mesh(jax.devices()[:4]))
+        buckets = plan(built.graphdef, built.state, cfg.parallel.bucket_mb)
+        forward = ["embed.embedding", *(f"blocks.{i}.{n}" for i in range(2) for n in LLAMA_BLOCK), "norm.scale"]
+        forward += [] if tied else ["lm_head.kernel"]
+        assert [n for b in buckets for n in b.names] == forward[::-1] and len(buckets) == len(forward)
+    text, numbers = all_reduce_report(cfg)  # the tied Llama's
+    assert numbers["planned_bucket_bytes"] == [b.nbytes for b in buckets]  # the report's buckets, in this order
+    assert numbers["gradient_all_reduces"] == len(buckets) and numbers["in_loop"] == 0
+    assert sorted(numbers["gradient_bytes"]) == sorted(b.nbytes for b in buckets)
+    assert numbers["gradient_bytes_total"] == numbers["parameter_bytes"]
+    assert "gradients: blocks.1.mlp.down.kernel" in text and "gradients: embed.embedding" in text
 
 
 def test_bfloat16_reduction_halves_the_bytes_and_matches_float32():
