@@ -20,13 +20,25 @@ log = logger("jdp.cli")  # not __name__: `python -m jdp.cli` (how `jdp launch` s
 
 def generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "run_dir", metavar="RUN_DIR", help="a run directory written by jdp train, or a Hugging Face GPT-2 directory"
+        "run_dir", metavar="RUN_DIR", help="a run directory written by jdp train, or a Hugging Face model directory"
     )
-    parser.add_argument("--prompt", required=True, help="the text to continue")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the text to continue")
+    prompt.add_argument(
+        "--prompt-file",
+        metavar="FILE",
+        help="continue each line of FILE (blank lines skipped), in one batch; prints one JSON line per prompt",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate at most (default 200)")
     parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8)")
     parser.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest tokens; 0: all (default 40)")
     parser.add_argument("--seed", type=int, default=0, help="the same seed gives the same text (default 0)")
+    parser.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="re-run the model over the whole context for every token instead of using a KV cache (the reference: "
+        "equal greedy tokens, slower)",
+    )
 
 
 def plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -214,9 +226,9 @@ COMMANDS = {
         _generate,
         generate_arguments,
         "continue a prompt with a run's latest checkpoint",
-        "Load RUN_DIR's newest checkpoint (or a Hugging Face GPT-2 directory: config.json + model.safetensors + "
-        "tokenizer.json) on one device and print the prompt and a sampled continuation; the same seed gives the "
-        "same text.",
+        "Load RUN_DIR's newest checkpoint (or a Hugging Face model directory: config.json + model.safetensors + "
+        "tokenizer.json) on one device and print the prompt and a sampled continuation, drawn with a KV cache; the "
+        "same seed gives the same text.",
         "jdp generate runs/tiny-20260101-120000 --prompt 'def main():' --temperature 0.7",
     ),
     "export": (
