@@ -153,8 +153,8 @@ class Loop:
         except BaseException:
             # A checkpoint already being written holds good parameters: let it complete. With several processes a
             # dead peer could block that forever, so only a single process waits.
-            if jax.process_count() == 1:
-                run.ckpts.wait()
+            if jax.process_count() == 1:  # its failure (a full disk) is named as the checkpoint's, not this step's
+                self.check_background_save(wait=True)
             raise
         finally:
             self.loader.close()
