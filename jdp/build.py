@@ -13,7 +13,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jdp import parallel
+from jdp import parallel, strategies
 from jdp.config import Config, ParallelConfig
 from jdp.hooks import CommHook, PowerSGD
 from jdp.model import count_params, lm_loss, make_model
@@ -51,6 +51,7 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, model: nnx.Module | None = None)
         bucket_mb=p.bucket_mb,
         reduce_dtype=p.reduce_dtype,
         comm_hook=hook,
+        **strategies.get(p.strategy).options_of(p),
     )
     return Built(graphdef, state, train_step, n_params, optimizer, hook)
 

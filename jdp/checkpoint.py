@@ -21,6 +21,7 @@ from jax.experimental import multihost_utils
 from jdp.config import Config, ConfigError
 from jdp.log import logger
 from jdp.rundir import RunDir
+from jdp.step import OptLayout
 
 __all__ = [
     "RESUMABLE_CHANGES",
@@ -28,6 +29,7 @@ __all__ = [
     "Checkpoints",
     "SaveFailed",
     "abstract",
+    "check_param_shapes",
     "check_resumable",
     "checksums",
     "config_differences",
@@ -46,7 +48,9 @@ RESUMABLE_CHANGES = {
     "parallel.init_timeout_s", "parallel.heartbeat_timeout_s", "parallel.coordinator_bind", "train.callbacks",
     # How gradients travel changes rounding, not the state: a run may resume with another strategy or bucketing,
     # or switch gradient compression on or off (the hook's state starts afresh when it is not the saved one's).
-    "parallel.strategy", "parallel.bucket_mb", "parallel.reduce_dtype", "parallel.compression",
+    "parallel.strategy", "parallel.reshard_after_forward", "parallel.shard_size", "parallel.bucket_mb",
+    "parallel.reduce_dtype",
+    "parallel.compression",
     "parallel.powersgd_rank", "parallel.powersgd_warmup", "parallel.powersgd_error_feedback",
     "parallel.powersgd_min_ratio", "parallel.powersgd_uncompressed",
     # A resumed run starts from its own checkpoint: where its first weights came from no longer matters.
@@ -341,8 +345,15 @@ class Checkpoints:
 
     def _restore_model(self, step: int, like: dict) -> dict:
         like = abstract(like)
+        saved = self.manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
+        restore_args = ocp.checkpoint_utils.construct_restore_args(like)
+        if OptLayout.of_record(dict(saved)).rows:  # fsdp's padded rows: cut to the parameters' own shapes
+            check_param_shapes(dict(saved), like["params"])
+            restore_args = jax.tree.map(
+                lambda a: dataclasses.replace(a, strict=False) if hasattr(a, "strict") else a, restore_args
+            )
         part = ocp.args.PyTreeRestore(  # the "state" item's model only, placed as `like` is
-            item=like, restore_args=ocp.checkpoint_utils.construct_restore_args(like), partial_restore=True
+            item=like, restore_args=restore_args, partial_restore=True
         )
         restored = self.manager.restore(step, args=ocp.args.Composite(state=part, record=ocp.args.JsonRestore()))
         model, record = restored["state"], dict(restored["record"])
@@ -372,7 +383,11 @@ class Checkpoints:
         except Exception as e:
             raise _Refused(e) from e
         like = target(record) if target else state_like
-        items = {"state": ocp.args.StandardRestore(abstract(_core(like)))}
+        # A layout that pads the parameters (fsdp) restores from and into any other: the checkpoint's padding rows
+        # are cut, or zero rows added, each device reading its own rows. The checksums do not change with that
+        # padding (zeros at the end), and the parameters' own shapes were checked against the record (check).
+        padded = OptLayout.of_record(record).rows or getattr(like, "shapes", None) is not None
+        items = {"state": ocp.args.StandardRestore(abstract(_core(like)), strict=not padded)}
         read_comm = getattr(like, "comm", None) is not None and "comm_checksums" in record
         if read_comm:
             items["comm"] = ocp.args.StandardRestore(abstract(like.comm))
@@ -408,7 +423,24 @@ class Checkpoints:
         self.manager.close()
 
 
-def make_record(cfg: Config, step: int, optimizer_layout: dict, comm: dict | None = None) -> dict:
+def check_param_shapes(record: dict, param_shapes) -> None:
+    """Refuse a checkpoint whose parameters' own shapes (recorded since fsdp, whose arrays are padded) are not
+    those of the model it is restored into."""
+    if "param_shapes" not in record:
+        return
+    today = [list(x.shape) for x in jax.tree.leaves(param_shapes)]
+    if record["param_shapes"] != today:
+        differ = [i for i, (a, b) in enumerate(zip(record["param_shapes"], today, strict=False)) if a != b]
+        raise ConfigError(
+            f"the checkpoint's parameters have other shapes than this model's ({len(record['param_shapes'])} "
+            f"leaves saved, {len(today)} here; first difference at leaf {differ[0] if differ else len(today)}): "
+            f"it was written by another model. Point train.run_dir elsewhere, or build the model it was trained with"
+        )
+
+
+def make_record(
+    cfg: Config, step: int, optimizer_layout: dict, comm: dict | None = None, param_shapes: list | None = None
+) -> dict:
     """A checkpoint's JSON record beside its arrays: what resuming checks and needs besides the train state (the
     config it was trained with, where the data stood, how the optimizer state is laid out, the hook's state)."""
     record = {
@@ -418,6 +450,7 @@ def make_record(cfg: Config, step: int, optimizer_layout: dict, comm: dict | Non
         "rng": "model random streams (dropout) derive from the keys in the state, the step and the device or row; "
         "data order from (train.seed, step)",
         "optimizer_layout": optimizer_layout,
+        **({"param_shapes": param_shapes} if param_shapes is not None else {}),
     }
     if comm is not None:
         record["comm"] = comm

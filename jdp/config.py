@@ -154,8 +154,14 @@ class TrainConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     # ddp: all-reduce, every replica updates; zero1: ddp with the optimizer state split over the devices
-    # (reduce-scatter, update a slice, all-gather); dp: PyTorch DataParallel's master (a baseline)
+    # (reduce-scatter, update a slice, all-gather); fsdp: parameters, gradients and optimizer state split too, each
+    # block gathered for its forward and backward (ZeRO-3); dp: PyTorch DataParallel's master (a baseline)
     strategy: str = "ddp"
+    # fsdp: drop a block's gathered parameters after its forward and gather them again for backward (ZeRO-3, FSDP2's
+    # default); false keeps them until backward: one more all-gather saved, one model's parameters more held
+    reshard_after_forward: bool = True
+    # hsdp: the devices of one group (a node's GPUs); the state is split inside each group, groups are replicas
+    shard_size: int = 0
     bucket_mb: float = 25.0  # gradient all-reduce bucket size in MiB (DDP's bucket_cap_mb); 0: one bucket
     reduce_dtype: str = "float32"  # dtype gradients travel in; bfloat16 halves the bytes (DDP's bf16 hook)
     # none: every bucket all-reduced whole; powersgd: gradient matrices sent as rank-r factors (ddp only; hooks.py)
@@ -462,7 +468,7 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Derived:
             f"lower data.seq_len or raise model.max_seq_len"
         )
     if par.strategy in strategies.REGISTRY:
-        problems += strategies.get(par.strategy).problems(par, n_processes)
+        problems += strategies.get(par.strategy).problems(par, n_processes, n_devices)
     per_step = n_devices * max(t.grad_accum, 1)
     if t.batch_size > 0 and t.batch_size % per_step:
         lo = max(per_step, t.batch_size // per_step * per_step)

@@ -72,9 +72,12 @@ def collectives(hlo_text: str) -> list[Collective]:
 
 
 def _group_size(line: str) -> int:
-    """Devices in each replica group of a collective: `mesh['data'=4]` or `{{0,1,2,3}}`."""
-    if m := re.search(r"replica_groups=mesh\[([^\]]*)\]", line):
-        return math.prod(int(n) for n in re.findall(r"=(\d+)", m.group(1)))
+    """Devices in each replica group of a collective: `mesh['data'=4]`, `mesh['replica'=2,'shard'=2] {'shard'}`
+    (over the axes named in braces) or `{{0,1,2,3}}`."""
+    if m := re.search(r"replica_groups=mesh\[([^\]]*)\](?:\s*\{([^}]*)\})?", line):
+        sizes = dict(re.findall(r"'?([\w]+)'?=(\d+)", m.group(1)))
+        over = re.findall(r"'?([\w]+)'?", m.group(2)) if m.group(2) else list(sizes)
+        return math.prod(int(sizes[a]) for a in over)
     if m := re.search(r"replica_groups=\{\{([\d,]*)\}", line):
         return len(m.group(1).split(","))
     if m := re.search(r"replica_groups=\[(\d+),(\d+)\]", line):  # iota form [groups,size]
@@ -106,27 +109,25 @@ def all_reduce_report(cfg: Config) -> tuple[str, dict]:
     add up to.
     """
     strategy, s = cfg.parallel.strategy, _planned(cfg.parallel.strategy)
-    mesh = parallel.make_mesh()
+    mesh = parallel.mesh_for(cfg.parallel)
     n = mesh.devices.size
     derived = validate(cfg, n, jax.process_count())
     graphdef, state, train_step, n_params, *_ = build(cfg, mesh)
     spec = batch_spec(cfg, mesh)
     micro = {k: jax.ShapeDtypeStruct((derived.micro_batch, *v.shape[1:]), v.dtype) for k, v in spec.items()}
     p = cfg.parallel
-    buckets = bucket_plan(graphdef, lm_loss, state.params, state.rest, micro, p.bucket_mb, p.reduce_dtype)
-    shapes = jax.tree.leaves(state.params)
     layout = s.steps().layout(mesh)  # a split layout pads every gradient and parameter to a multiple of its shards
     pad = layout.shards or 1
-    padded = [sum(shapes[k].size + -shapes[k].size % pad for k in b.leaves) for b in buckets]
+    buckets, padded, gathered = _planned_collectives(s, graphdef, state, micro, p, pad)
+    shapes = jax.tree.leaves(state.param_shapes())
     grad_kind = s.gradients
     lowered = train_step.lower(state, spec)
     emitted_found = collectives(lowered.as_text(dialect="hlo"))  # the program before XLA's passes
     emitted = _match(emitted_found, grad_kind, buckets, padded)
     found = collectives(lowered.compile().as_text())
     grads = _match(found, grad_kind, buckets, padded)
-    gathers = _match(found, "all-gather", buckets, padded) if s.gathers_parameters else {}
-    param_bytes = sum(x.size * x.dtype.itemsize for x in shapes)
-    padded_bytes = sum(x.dtype.itemsize * (x.size + -x.size % pad) for x in shapes)
+    gathers = _match(found, "all-gather", *gathered) if s.gathers_parameters else {}
+    param_bytes, padded_bytes, padding = _param_bytes(state, layout)
     lines = [
         f"collectives of the compiled train step: parallel.strategy={strategy}, {n} x {jax.devices()[0].device_kind}, "
         f"parallel.bucket_mb={p.bucket_mb:g}, parallel.reduce_dtype={p.reduce_dtype}, "
@@ -138,7 +139,6 @@ def all_reduce_report(cfg: Config) -> tuple[str, dict]:
     gather_bytes = sum(a.bytes for a in found if id(a) in gathers)
     emitted_bytes = sum(a.bytes for a in emitted_found if id(a) in emitted)
     others = [a for a in found if id(a) not in grads and id(a) not in gathers]
-    padding = f"; {padded_bytes:,} padded to multiples of {pad}" if layout.shards else ""
     lines.append(
         f"gradients: {len(grads)} {grad_kind}(s), {grad_bytes:,} bytes in all = {grad_bytes / param_bytes:.2f} x "
         f"the parameter bytes ({param_bytes:,} bytes, {n_params:,} parameters{padding})"
@@ -177,12 +177,38 @@ def all_reduce_report(cfg: Config) -> tuple[str, dict]:
     return "\n".join(lines), numbers
 
 
+def _param_bytes(state, layout) -> tuple[int, int, str]:
+    """The parameters' bytes, as the strategy's layout pads them, and a few words on that padding."""
+    shapes = jax.tree.leaves(state.param_shapes())
+    own = sum(math.prod(x.shape) * x.dtype.itemsize for x in shapes)
+    if layout.rows:  # fsdp, hsdp: each first axis padded to a multiple of the rows' devices
+        padded = sum(x.nbytes for x in jax.tree.leaves(state.params))
+        return own, padded, f"; {padded:,} with each first axis padded to a multiple of {layout.shards} rows"
+    if layout.shards:  # zero1: each parameter flat, padded to a multiple of the devices
+        padded = sum(x.dtype.itemsize * (x.size + -x.size % layout.shards) for x in shapes)
+        return own, padded, f"; {padded:,} padded to multiples of {layout.shards}"
+    return own, own, ""
+
+
+def _planned_collectives(s: strategies.Strategy, graphdef, state, micro, p, pad: int):
+    """(the gradients' buckets, their padded elements, (what the parameters' all-gathers carry, their elements)):
+    jdp's buckets for ddp and zero1 (zero1 gathers the same buckets); for fsdp and hsdp their units (a
+    reduce-scatter per unit, an all-gather per unit and use: strategies/fsdp.py's report_units)."""
+    if hasattr(s.steps(), "report_units"):
+        scatters, gathers = s.steps().report_units(graphdef, state, **s.options_of(p))
+        return scatters, [u.elements for u in scatters], (gathers, [u.elements for u in gathers])
+    buckets = bucket_plan(graphdef, lm_loss, state.params, state.rest, micro, p.bucket_mb, p.reduce_dtype)
+    shapes = jax.tree.leaves(state.params)
+    padded = [sum(shapes[k].size + -shapes[k].size % pad for k in b.leaves) for b in buckets]
+    return buckets, padded, (buckets, padded)
+
+
 def compression_report(cfg: Config) -> tuple[str, dict]:
     """The bytes a compressed step really all-reduces (from the compiled program after the warm-up), against the
     same step without compression and the hook's own prediction (PowerSGD: r(m + n) per m x n matrix)."""
     import dataclasses
 
-    mesh = parallel.make_mesh()
+    mesh = parallel.mesh_for(cfg.parallel)
     n = mesh.devices.size
     validate(cfg, n, jax.process_count())
     spec = batch_spec(cfg, mesh)

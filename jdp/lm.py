@@ -71,6 +71,11 @@ class LanguageModel(Trainer):
             return model
         return make_model(self.cfg.model, nnx.Rngs(self.cfg.train.seed))
 
+    def model_factory(self):
+        if self.cfg.train.init_from:
+            return None  # an import reads its tensors whole (docs/performance.md: FSDP)
+        return lambda: make_model(self.cfg.model, nnx.Rngs(self.cfg.train.seed))
+
     def describe_model(self, n_params: int, peak: float, peak_source: str) -> str:
         return (
             f"model {n_params:,} parameters | {flops_per_token(self.cfg) / 1e6:.1f} MFLOPs/token | MFU peak: "

@@ -14,25 +14,55 @@ from jdp.guards import check_rows
 
 __all__ = [
     "AXIS",
+    "REPLICA",
+    "SHARD",
     "Batch",
+    "batch_axes",
     "batch_sharding",
     "replicate",
     "make_mesh",
     "master_device",
     "process_rows",
     "replicated",
+    "shard_axis",
     "shard_batch",
+    "shard_count",
     "split_spec",
 ]
 
 AXIS = "data"
+REPLICA, SHARD = "replica", "shard"  # hsdp's mesh: groups of shard_size devices, the state split inside each
 Batch = dict[str, Any]
 
 
-def make_mesh(devices: list | None = None) -> jax.sharding.Mesh:
-    """A 1-D mesh with axis `data` over every device of every process (or the devices given)."""
+def make_mesh(devices: list | None = None, shard_size: int = 0) -> jax.sharding.Mesh:
+    """A 1-D mesh with axis `data` over every device of every process (or the devices given). With shard_size=K
+    (hsdp), a 2-D mesh (`replica`, `shard`) of the same devices in the same order: groups of K consecutive devices
+    (a node's), so each device takes the same rows of every global batch as on the 1-D mesh."""
     devices = jax.devices() if devices is None else list(devices)
-    return jax.sharding.Mesh(np.asarray(devices), (AXIS,))
+    if not shard_size:
+        return jax.sharding.Mesh(np.asarray(devices), (AXIS,))
+    if shard_size < 1 or len(devices) % shard_size:
+        raise ValueError(
+            f"shard_size={shard_size} must divide the {len(devices)} devices into equal groups (a node's devices)"
+        )
+    return jax.sharding.Mesh(np.asarray(devices).reshape(len(devices) // shard_size, shard_size), (REPLICA, SHARD))
+
+
+def batch_axes(mesh: jax.sharding.Mesh):
+    """The mesh axes a global batch's rows are split over (every one): `data`, or (`replica`, `shard`)."""
+    names = tuple(mesh.axis_names)
+    return names[0] if len(names) == 1 else names
+
+
+def shard_axis(mesh: jax.sharding.Mesh) -> str:
+    """The axis fsdp and hsdp split the state over: all of `data`, or `shard` inside each group."""
+    return SHARD if SHARD in mesh.axis_names else AXIS
+
+
+def shard_count(mesh: jax.sharding.Mesh) -> int:
+    """The devices the state is split over (fsdp: all; hsdp: a group's)."""
+    return int(mesh.shape[shard_axis(mesh)])
 
 
 def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
@@ -54,7 +84,7 @@ def replicate(tree, mesh: jax.sharding.Mesh):
 
 
 def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P(AXIS))
+    return NamedSharding(mesh, P(batch_axes(mesh)))
 
 
 def process_rows(global_batch: int, mesh: jax.sharding.Mesh) -> slice:

@@ -26,6 +26,7 @@ __all__ = [
     "StepMeter",
     "describe_goodput",
     "fingerprint",
+    "host_leaves",
     "flops_per_token",
     "goodput",
     "lost_steps",
@@ -371,19 +372,34 @@ def describe_goodput(g: dict) -> list[str]:
     return lines
 
 
-def fingerprint(params) -> dict[str, list[float]]:
+def host_leaves(params, shapes: tuple | None = None):
+    """(path, numpy value) of each parameter, one at a time: any local copy of a replicated one; a split one (fsdp)
+    gathered from every process and cut to its own shape (`shapes`: TrainState.shapes). Every process must call it
+    (a split leaf's gather is collective)."""
+    from jax.experimental import multihost_utils
+
+    for k, (path, leaf) in enumerate(jax.tree_util.tree_leaves_with_path(params)):
+        if leaf.sharding.is_fully_replicated:
+            x = np.asarray(leaf.addressable_shards[0].data)
+        else:
+            x = np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+        yield path, (x if shapes is None else x[: shapes[k][0]] if x.ndim else x)
+
+
+def fingerprint(params, shapes: tuple | None = None) -> dict[str, list[float]]:
     """Per parameter: sum, L2 norm and the dot product with a fixed random vector, to compare runs to rounding."""
     out = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        x = np.asarray(leaf.addressable_shards[0].data, np.float64).ravel()  # replicated: any local copy
+    for path, leaf in host_leaves(params, shapes):
+        x = np.asarray(leaf, np.float64).ravel()
         probe = np.random.default_rng(x.size).standard_normal(x.size)
         out[jax.tree_util.keystr(path)] = [float(x.sum()), float(np.linalg.norm(x)), float(x @ probe)]
     return out
 
 
-def params_sha256(params) -> str:
-    """The exact bytes of the parameters (any local replica): equal digests mean bit-identical parameters."""
+def params_sha256(params, shapes: tuple | None = None) -> str:
+    """The exact bytes of the parameters (whatever the strategy's layout): equal digests mean bit-identical
+    parameters."""
     h = hashlib.sha256()
-    for leaf in jax.tree.leaves(params):
-        h.update(np.asarray(leaf.addressable_shards[0].data).tobytes())
+    for _, leaf in host_leaves(params, shapes):
+        h.update(np.ascontiguousarray(leaf).tobytes())
     return h.hexdigest()

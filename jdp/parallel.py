@@ -46,9 +46,12 @@ __all__ = [
     "batch_sharding",
     "comm_record",
     "init_state",
+    "init_state_from",
     "make_eval_step",
     "make_grad_fn",
+    "make_strategy_eval_step",
     "make_mesh",
+    "mesh_for",
     "make_replica_digest",
     "make_train_step",
     "nonfinite_leaves",
@@ -62,6 +65,14 @@ __all__ = [
     "restore_target",
     "shard_batch",
 ]
+
+
+def mesh_for(parallel_cfg) -> jax.sharding.Mesh:
+    """The mesh the config's strategy runs on: every device on `data`, or (hsdp) groups of parallel.shard_size."""
+    k = parallel_cfg.shard_size if strategies.get(parallel_cfg.strategy).groups else 0
+    if k and (k < 1 or jax.device_count() % k):
+        return make_mesh()  # the config check names the shard_size that does not divide the devices
+    return make_mesh(shard_size=k)
 
 
 def opt_layout(strategy: str, mesh: jax.sharding.Mesh) -> OptLayout:
@@ -80,15 +91,50 @@ def init_state(
     the mesh, the optimizer state as `strategy` keeps it (ddp: replicated; zero1: split over the devices; dp: on
     the master), and the communication hook's initial state (pass the hook given to make_train_step)."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    params, rest = replicate((params, rest), mesh)
     steps = strategies.get(strategy).steps()
     layout = steps.layout(mesh)
     layout.check(optimizer, params)
+    own = tuple(tuple(x.shape) for x in jax.tree.leaves(params)) if layout.rows else None
+    params, rest = layout.place(params, mesh), replicate(rest, mesh)
+    return graphdef, _with_optimizer(params, rest, optimizer, mesh, strategy, comm_hook, own)
+
+
+def init_state_from(
+    make_model: Callable[[], nnx.Module],
+    optimizer: optax.GradientTransformation,
+    mesh: jax.sharding.Mesh,
+    strategy: str = "ddp",
+    comm_hook: CommHook | None = None,
+):
+    """init_state for the model `make_model()` (no arguments) makes. Under a strategy that splits the parameters
+    (fsdp, hsdp) the model is made inside one jax.jit whose outputs are each device's rows, so its parameters are
+    never whole on any device (an 8B model would not fit one); under the others, init_state(make_model(), ...)."""
+    steps = strategies.get(strategy).steps()
+    layout = steps.layout(mesh)
+    if not layout.rows:
+        return init_state(make_model(), optimizer, mesh, strategy, comm_hook)
+    graphdef, params, rest = nnx.split(nnx.eval_shape(make_model), nnx.Param, ...)
+    layout.check(optimizer, params)
+    own = tuple(tuple(x.shape) for x in jax.tree.leaves(params))
+    split = layout.shardings(jax.eval_shape(layout.view, params), mesh)
+
+    def made():
+        _, p, r = nnx.split(make_model(), nnx.Param, ...)
+        return layout.view(p), r
+
+    params, rest = jax.jit(made, out_shardings=(split, jax.tree.map(lambda _: replicated(mesh), rest)))()
+    return graphdef, _with_optimizer(params, rest, optimizer, mesh, strategy, comm_hook, own)
+
+
+def _with_optimizer(params, rest, optimizer, mesh, strategy: str, comm_hook, own) -> TrainState:
+    """The train state of placed parameters and variables: the optimizer state as `strategy` keeps it, step 0."""
+    steps = strategies.get(strategy).steps()
+    layout = steps.layout(mesh)
     shapes = layout.shapes(optimizer, params)
     init = lambda p: optimizer.init(layout.view(p))  # noqa: E731
     opt_state = jax.jit(init, out_shardings=steps.opt_shardings(shapes, mesh))(params)
     step = jax.device_put(jnp.zeros((), jnp.int32), replicated(mesh))
-    return graphdef, TrainState(step, params, opt_state, rest, init_comm(comm_hook, params, mesh))
+    return TrainState(step, params, opt_state, rest, init_comm(comm_hook, params, mesh), own)
 
 
 def make_train_step(
@@ -103,6 +149,7 @@ def make_train_step(
     bucket_mb: float = 25.0,
     reduce_dtype: str = "float32",
     comm_hook: CommHook | None = None,
+    **options,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """The data-parallel step: (state, global batch) -> (new state, metrics), state donated (passing a donated
     state again raises ConfigError; so do rows that do not split into devices x grad_accum and a loss_fn that does
@@ -113,6 +160,8 @@ def make_train_step(
     bucket (hooks.py; build the state with init_state(..., comm_hook=the same hook)). strategy="zero1" splits
     the optimizer state over the devices; strategy="dp" is PyTorch DataParallel's master pattern, kept as the
     baseline to measure against (strategies/; build the state with init_state(..., strategy=the same)).
+    strategy="fsdp" splits the parameters, gradients and optimizer state too; its one option is
+    reshard_after_forward (default True).
 
     Under every strategy the model's other variables (state.rest) are updated by the forward passes and kept
     replicated: floating-point ones (BatchNorm's running statistics) averaged over the devices; nnx rng streams
@@ -121,10 +170,20 @@ def make_train_step(
     s = strategies.get(strategy)
     if comm_hook is not None and not s.comm_hooks:
         raise ValueError(f"a communication hook reduces ddp's buckets; strategy={strategy!r} has none to hook")
+    if unknown := sorted(set(options) - set(s.options)):
+        raise ValueError(
+            f"strategy={strategy!r} takes no option {', '.join(unknown)} (it takes: {s.options or 'none'})"
+        )
     return s.steps().make_train_step(
         graphdef, loss_fn, optimizer, mesh, grad_accum, schedule,
-        bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, comm_hook=comm_hook,
+        bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, comm_hook=comm_hook, **options,
     )  # fmt: skip
+
+
+def make_strategy_eval_step(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh, strategy: str = "ddp"):
+    """The eval step for a state laid out by `strategy` (fsdp's gathers its split parameters block by block)."""
+    steps = strategies.get(strategy).steps()
+    return getattr(steps, "make_eval_step", make_eval_step)(graphdef, loss_fn, mesh)
 
 
 def relayout(state: TrainState, optimizer, mesh: jax.sharding.Mesh, strategy: str) -> TrainState:
@@ -132,7 +191,8 @@ def relayout(state: TrainState, optimizer, mesh: jax.sharding.Mesh, strategy: st
     checkpoint of one strategy or device count continues under another. Values are unchanged, only placed anew."""
     steps = strategies.get(strategy).steps()
     dst = steps.layout(mesh)
-    canonical, target = OptLayout().shapes(optimizer, state.params), dst.shapes(optimizer, state.params)
+    own = state.param_shapes()
+    canonical, target = OptLayout().shapes(optimizer, own), dst.shapes(optimizer, own)
 
     def move(x, c, t):
         return jnp.pad(x.ravel()[: c.size], (0, t.size - c.size)).reshape(t.shape)
@@ -144,12 +204,15 @@ def relayout(state: TrainState, optimizer, mesh: jax.sharding.Mesh, strategy: st
 
 def restore_target(state: TrainState, optimizer, mesh: jax.sharding.Mesh, strategy: str, saved: OptLayout):
     """What to restore a checkpoint written in layout `saved` into: `state` itself (shapes and shardings) when that
-    is today's layout, else the saved shapes with the optimizer state replicated, for relayout to place."""
-    if saved == opt_layout(strategy, mesh):
+    is today's layout or both keep the optimizer state shaped as the parameters (ddp and fsdp: the checkpoint's
+    padding is cut or zeros added, each device reading its own rows), else the saved shapes with the optimizer
+    state replicated, for relayout to place."""
+    today = opt_layout(strategy, mesh)
+    if saved == today or not (saved.flat or today.flat):
         return state
     opt = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated(mesh)),
-        saved.shapes(optimizer, state.params),
+        saved.shapes(optimizer, state.param_shapes()),
     )
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
     return dataclasses.replace(like, opt_state=opt)

@@ -104,7 +104,8 @@ def held_bytes(cfg: Config, strategy: str, n: int, state: tuple | None = None, g
     _, params, _, opt_state = state or abstract_state(cfg)
     optimizer, _ = make_optimizer(cfg.optim, cfg.train.steps)
     accum = cfg.train.grad_accum if grad_accum is None else grad_accum
-    return strategies.get(strategy).costs().state_bytes(params, opt_state, optimizer, n, accum)
+    s = strategies.get(strategy)
+    return s.costs().state_bytes(params, opt_state, optimizer, n, accum, **s.options_of(cfg.parallel))
 
 
 def opt_bytes_per_device(cfg: Config, strategy: str, n: int, state: tuple | None = None) -> int:
@@ -269,7 +270,8 @@ class Planner:
 
     def traffic(self, n: int) -> tuple[Traffic, list[Ring]]:
         """The strategy's collectives at n devices (its module's traffic), each on the link its rings cross."""
-        traffic = strategies.get(self.strategy).costs().traffic(self.buckets, n, self.cfg.train.grad_accum)
+        s = strategies.get(self.strategy)
+        traffic = s.costs().traffic(self.buckets, n, self.cfg.train.grad_accum, **s.options_of(self.cfg.parallel))
         rings = []
         for c in traffic.collectives:
             if c.overlaps and c.overlaps not in WINDOWS:
@@ -674,6 +676,13 @@ def _strategy_lines(plan: Plan) -> list[str]:
             f"exposed {_ms(c.exposed_s):>8} ms  step {_ms(c.step_s):>9} ms  {c.tokens_per_s:>14,.0f} tokens/s  "
             f"{fit_note(c.memory_total, plan.gpu)}"
         )
+    capacity = gpu_spec(plan.gpu).memory_gb * 1e9
+    fitting = [c for c in plan.strategies if c.memory_total <= JAX_MEMORY_FRACTION * capacity]
+    if fitting:
+        best = min(fitting, key=lambda c: c.step_s)
+        out.append(f"  fastest that fits JAX's default pool: parallel.strategy={best.strategy}")
+    else:
+        out.append("  none fits JAX's default pool at this batch (see the memory lines above for what would)")
     return [*out, ""]
 
 

@@ -4,8 +4,9 @@ guard, and the eval step and replica checks. The strategies (strategies/) assemb
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -18,9 +19,9 @@ from jax.sharding import PartitionSpec as P
 
 from jdp.buckets import Bucket, bucket_plan
 from jdp.config import ConfigError
-from jdp.guards import RefusingDonated, checked_loss, checking_rows
+from jdp.guards import RefusingDonated, check_batch, checked_loss, checking_rows
 from jdp.hooks import CommHook, GradBucket, Mean, varying
-from jdp.mesh import AXIS, Batch, replicated, split_spec
+from jdp.mesh import AXIS, Batch, batch_axes, replicate, replicated, shard_axis, shard_count, split_spec
 from jdp.nn import RowIds, RowKey
 
 __all__ = [
@@ -54,7 +55,8 @@ LossFn = Callable[[nnx.Module, dict[str, jax.Array]], tuple[jax.Array, jax.Array
 @dataclass
 class TrainState:
     """Everything the step updates. Every leaf is replicated (one identical copy per device), except the optimizer
-    state under zero1 (flat and split over the devices: OptLayout) and dp (on the master device), and the
+    state under zero1 (flat and split over the devices: OptLayout) and dp (on the master device), the parameters
+    and optimizer state under fsdp (padded along their first axis and split over the devices), and the
     communication hook's state, which each device keeps its own of (leading axis: the devices)."""
 
     step: jax.Array
@@ -62,6 +64,18 @@ class TrainState:
     opt_state: optax.OptState
     rest: nnx.State  # every other model variable (BatchNorm statistics, rng keys): updated by the step (local_sums)
     comm: Any = None  # the hook's per-parameter states, {leaf index: state}; None when it keeps none (the mean)
+    # The parameters' own shapes, in leaf order, when `params` holds them padded (fsdp); None when it holds them as
+    # they are. Static: part of the state's structure, known while a step is traced.
+    shapes: tuple | None = field(default=None, metadata={"static": True})
+
+    def param_shapes(self):
+        """The parameters' own shapes and dtypes (without fsdp's padding), as a tree shaped like `params`."""
+        if self.shapes is None:
+            return _shapes(self.params)
+        leaves, tree = jax.tree.flatten(self.params)
+        return jax.tree.unflatten(
+            tree, [jax.ShapeDtypeStruct(s, x.dtype) for s, x in zip(self.shapes, leaves, strict=True)]
+        )
 
 
 def init_comm(hook: CommHook | None, params, mesh: jax.sharding.Mesh):
@@ -110,40 +124,61 @@ def comm_record(hook: CommHook | None, state: TrainState) -> dict | None:
 
 @dataclass(frozen=True)
 class OptLayout:
-    """How the optimizer state lies. shards=0: shaped as the parameters (ddp, dp). shards=N (zero1): the optimizer
-    sees each parameter flattened into its last axis, zero-padded to a multiple of N, with its rank kept (a
-    (768, 3072) kernel is seen as (1, 2359296), so masks written as `ndim >= 2` still pick the matrices), and
-    device d holds elements [d*s, (d+1)*s) of that axis in every such leaf of the state (s = padded size / N).
-    Scalars (Adam's count) are replicated.
+    """How the optimizer state (and under fsdp the parameters) lie. shards=0: shaped as the parameters (ddp, dp).
+
+    shards=N, rows=False (zero1): the optimizer sees each parameter flattened into its last axis, zero-padded to a
+    multiple of N, with its rank kept (a (768, 3072) kernel is seen as (1, 2359296), so masks written as
+    `ndim >= 2` still pick the matrices), and device d holds elements [d*s, (d+1)*s) of that axis in every such leaf
+    of the state (s = padded size / N). Scalars (Adam's count) are replicated.
+
+    shards=N, rows=True (fsdp): parameters and optimizer state keep their shapes but the first axis, zero-padded
+    to a multiple of N rows; device d holds rows [d*r, (d+1)*r) (r = padded rows / N). Row-major, the padding is
+    the last elements, as zero1's is, so a checkpoint's checksums do not change with the padding and the layouts
+    convert by cutting or adding zeros at the end.
 
     The padding is zeros in the gradients and the parameters, so an elementwise optimizer leaves it zero, and it is
     cut off before a value reaches a parameter. Optimizers whose state is not elementwise (factored ones such as
-    Adafactor) would see other shapes; zero1 refuses them (check). Masks must not depend on sizes or dimensions.
+    Adafactor) would see other shapes; the split layouts refuse them (check). Masks must not depend on sizes.
     """
 
     shards: int = 0
+    rows: bool = False
 
     @staticmethod
     def of_record(record: dict) -> OptLayout:
         """The layout a checkpoint was written in (its JSON record; older records: as the parameters)."""
-        return OptLayout(int(record.get("optimizer_layout", {}).get("shards", 0)))
+        saved = record.get("optimizer_layout", {})
+        return OptLayout(int(saved.get("shards", 0)), bool(saved.get("rows", False)))
 
     def to_record(self) -> dict:
-        return {"shards": self.shards, "what": self.describe()}
+        return {"shards": self.shards, "rows": self.rows, "what": self.describe()}
 
     def describe(self) -> str:
+        if self.rows:
+            return f"fsdp's rows over {self.shards} devices"
         return f"zero1's slices over {self.shards} devices" if self.shards else "whole copies (ddp, dp)"
 
+    @property
+    def flat(self) -> bool:
+        """Whether the optimizer state is zero1's flat view (not shaped as the parameters)."""
+        return bool(self.shards) and not self.rows
+
     def view(self, params):
-        """The parameters as the optimizer sees them: unchanged, or flat and padded to a multiple of shards."""
+        """The parameters as the optimizer sees them: unchanged, flat and padded to a multiple of shards (zero1),
+        or padded along their first axis (fsdp; parameters already padded are unchanged)."""
         if not self.shards:
             return params
+        if self.rows:
+            return jax.tree.map(lambda x: jnp.pad(x, [(0, self.shape(x)[0] - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+                                if x.ndim else x, params)  # fmt: skip
         return jax.tree.map(lambda x: jnp.pad(x.ravel(), (0, -x.size % self.shards)).reshape(self.shape(x)), params)
 
     def shape(self, x) -> tuple[int, ...]:
         """A leaf's shape as the optimizer sees it in this layout."""
         if not self.shards:
-            return x.shape
+            return tuple(x.shape)
+        if self.rows:
+            return (x.shape[0] + -x.shape[0] % self.shards, *x.shape[1:]) if x.ndim else tuple(x.shape)
         padded = x.size + -x.size % self.shards
         return (1,) * (x.ndim - 1) + (padded,)
 
@@ -152,9 +187,15 @@ class OptLayout:
         return jax.eval_shape(lambda p: optimizer.init(self.view(p)), _shapes(params))
 
     def shardings(self, shapes, mesh: jax.sharding.Mesh):
-        """Where each leaf of a state of these shapes lives on `mesh`: split along `data` (the flat leaves of a
-        split layout), else replicated."""
+        """Where each leaf of a state of these shapes lives on `mesh`: split along `data` (the flat leaves of
+        zero1's layout, the first axis under fsdp), else replicated."""
         n = mesh.devices.size
+        if self.rows:  # over `data`, or hsdp's `shard` (each group holding the whole state)
+            k, axis = shard_count(mesh), shard_axis(mesh)
+            return jax.tree.map(
+                lambda x: NamedSharding(mesh, P(axis)) if x.ndim >= 1 and x.shape[0] % k == 0 else replicated(mesh),
+                shapes,
+            )
         return jax.tree.map(
             lambda x: (
                 NamedSharding(mesh, split_spec(x.ndim))
@@ -164,10 +205,26 @@ class OptLayout:
             shapes,
         )
 
+    def place(self, params, mesh: jax.sharding.Mesh):
+        """The parameters placed on `mesh` for this layout: replicated, or (fsdp) padded and split, each device
+        receiving its rows only."""
+        if not self.rows:
+            return replicate(params, mesh)
+        shardings = self.shardings(jax.eval_shape(self.view, _shapes(params)), mesh)
+        return jax.jit(self.view, out_shardings=shardings)(params)
+
     def check(self, optimizer: optax.GradientTransformation, params) -> None:
-        """Refuse an optimizer whose state is not elementwise: its state would change meaning when flattened."""
+        """Refuse an optimizer whose state is not elementwise: its state would change meaning when flattened or
+        padded; and (fsdp) a scalar parameter, which has no rows to split."""
         if not self.shards:
             return
+        name = "fsdp" if self.rows else "zero1"
+        if self.rows and (scalars := [n for n, x in zip(param_names(params), jax.tree.leaves(params), strict=True)
+                                      if x.ndim == 0]):  # fmt: skip
+            raise ValueError(
+                f"strategy='fsdp' splits every parameter along its first axis, but {', '.join(scalars[:3])} "
+                f"{'is a scalar' if len(scalars) == 1 else 'are scalars'}: give it shape (1,), or use strategy='zero1'"
+            )
         canonical, flat = OptLayout().shapes(optimizer, params), self.shapes(optimizer, params)
         odd = []
         if jax.tree.structure(canonical) != jax.tree.structure(flat):
@@ -175,10 +232,10 @@ class OptLayout:
         else:
             for (path, c), f in zip(jax.tree_util.tree_leaves_with_path(canonical), jax.tree.leaves(flat), strict=True):
                 if c.shape != f.shape and f.shape != self.shape(c):
-                    odd.append(f"{jax.tree_util.keystr(path)}: {c.shape} as parameters, {f.shape} flat")
+                    odd.append(f"{jax.tree_util.keystr(path)}: {c.shape} as parameters, {f.shape} in {name}'s layout")
         if odd:
             raise ValueError(
-                "strategy='zero1' shards the optimizer state elementwise (as AdamW, SGD, Lion keep it), but this "
+                f"strategy='{name}' splits the optimizer state elementwise (as AdamW, SGD, Lion keep it), but this "
                 f"optimizer's state depends on the parameters' shapes: {'; '.join(odd[:3])}. Use strategy='ddp'"
             )
 
@@ -187,8 +244,8 @@ def _shapes(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
-def _varying(tree):
-    return varying(tree, AXIS)
+def _varying(tree, axes=AXIS):
+    return varying(tree, axes)
 
 
 # Variables the step sets for each forward and puts back afterwards, so that they stay replicated and a resumed
@@ -200,12 +257,12 @@ def _map_variables(fn, *trees):
     return jax.tree.map(fn, *trees, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def _seeded(rest, step, micro, rows):
+def _seeded(rest, step, micro, rows, axes=AXIS):
     """`rest` as one forward sees it. Every nnx rng stream's key becomes fold_in(key, step, device[, micro]):
     a fresh stream for each step, device and micro-batch (the same mask on every replica would be N copies of
     one batch's dropout), a pure function of the seed and the step, so a resumed run draws the same masks.
     RowDropout's key gets the step only, and its rows the global rows of this forward (nn.py)."""
-    device = jax.lax.axis_index(AXIS)
+    device = jax.lax.axis_index(axes)
 
     def seed(v):
         if isinstance(v, nnx.RngKey):
@@ -225,13 +282,13 @@ def _unseeded(new, old):
     return _map_variables(lambda n, o: o if isinstance(o, _SEEDED) else n, new, old)
 
 
-def _per_device(tree):
+def _per_device(tree, axes=AXIS):
     """`tree` typed as differing between devices, whether it was or not (a scan's carry needs one type)."""
-    differs = _varying(jnp.bool_(True))
+    differs = _varying(jnp.bool_(True), axes)
     return jax.tree.map(lambda x: jax.lax.select(differs, x, x), tree)
 
 
-def _replicated(new, old):
+def _replicated(new, old, axes=AXIS):
     """The variables after a step, identical on every device: floating-point ones (BatchNorm's running mean and
     variance) are *averaged* over `data` (not DDP's broadcast_buffers, which copies rank 0's buffers and drops
     the others' batches); integer ones and keys are the same on every device already (the seeded ones are put
@@ -240,13 +297,13 @@ def _replicated(new, old):
     def one(n, o):
         if isinstance(o, _SEEDED):
             return o
-        x = _per_device(n[...] if isinstance(n, nnx.Variable) else n)
+        x = _per_device(n[...] if isinstance(n, nnx.Variable) else n, axes)
         if jnp.issubdtype(x.dtype, jnp.inexact):
-            x = jax.lax.pmean(x, AXIS)
+            x = jax.lax.pmean(x, axes)
         elif jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-            x = jax.random.wrap_key_data(jax.lax.pmax(jax.random.key_data(x), AXIS), impl=jax.random.key_impl(x))
+            x = jax.random.wrap_key_data(jax.lax.pmax(jax.random.key_data(x), axes), impl=jax.random.key_impl(x))
         else:
-            x = jax.lax.pmax(x.astype(jnp.int32) if x.dtype == jnp.bool_ else x, AXIS).astype(x.dtype)
+            x = jax.lax.pmax(x.astype(jnp.int32) if x.dtype == jnp.bool_ else x, axes).astype(x.dtype)
         return n.replace(x) if isinstance(n, nnx.Variable) else x
 
     return _map_variables(one, new, old)
@@ -257,15 +314,21 @@ def keep_if(ok, new, old):
     return jax.tree.map(lambda n, o: jax.lax.select(ok, n, o), new, old)
 
 
-def local_sums(graphdef, loss_fn: LossFn, grad_accum: int):
+def local_sums(graphdef, loss_fn: LossFn, grad_accum: int, forward=None, axes=AXIS):
     """Per device: (params, rest, rows, step) -> (grad of loss sum, loss sum, weight sum, new rest) over its rows,
     in grad_accum micro-batches. Every forward updates the model's other variables (BatchNorm's running
-    statistics), the micro-batches one after the other, as PyTorch's would; the new rest is replicated."""
+    statistics), the micro-batches one after the other, as PyTorch's would; the new rest is replicated.
+
+    forward(loss_fn, params, rest, micro) -> (loss, (weight, new rest)), if given, runs each forward from this
+    device's parameters (fsdp's: its rows, gathered block by block); they are this device's own already, so no
+    per-device view is taken. axes: the mesh axes the batch is split over (hsdp's: `replica` and `shard`)."""
     if not isinstance(grad_accum, int | np.integer) or grad_accum < 1:
         raise ConfigError(f"grad_accum={grad_accum!r} must be a whole number of micro-batches per step, 1 or more")
     loss_fn = checked_loss(loss_fn)
 
     def loss_of(params, rest, micro):
+        if forward is not None:
+            return forward(loss_fn, params, rest, micro)
         # New variables, made in this trace (copy=True): the forward may write them (BatchNorm's statistics, the
         # rng counts), and NNX refuses writes to variables that come from an outer trace.
         model = nnx.merge(graphdef, params, rest, copy=True)
@@ -278,15 +341,16 @@ def local_sums(graphdef, loss_fn: LossFn, grad_accum: int):
         # Differentiate with respect to a per-device ("varying") view of the replicated parameters.
         # Differentiating the replicated value itself would make shard_map's autodiff insert a psum,
         # silently giving the *sum* over devices: the classic N-times-too-large gradient.
-        params = _varying(params)
+        if forward is None:
+            params = _varying(params, axes)
         rows = jax.tree.leaves(batch)[0].shape[0]
-        first = jax.lax.axis_index(AXIS) * rows  # this device's first row in the global batch
+        first = jax.lax.axis_index(axes) * rows  # this device's first row in the global batch
         if grad_accum == 1:
             # No loop: the gradients leave backward one layer at a time, so each bucket's all-reduce can start
             # while earlier layers are still being differentiated.
-            seeded = _seeded(rest, step, None, first + jnp.arange(rows))
+            seeded = _seeded(rest, step, None, first + jnp.arange(rows), axes)
             (loss, (weight, new)), grads = grad_fn(params, seeded, batch)
-            return grads, loss, weight, _replicated(_unseeded(new, rest), rest)
+            return grads, loss, weight, _replicated(_unseeded(new, rest), rest, axes)
         # Micro-batch m holds rows m, m + grad_accum, m + 2 grad_accum, ... of each device: over the devices,
         # the global rows congruent to m, whatever the device count, so batch statistics (SyncBatchNorm) and
         # RowDropout's masks are those of one device running the same global batch.
@@ -297,19 +361,19 @@ def local_sums(graphdef, loss_fn: LossFn, grad_accum: int):
         def one(carry, xs):
             mb, m = xs
             g_acc, l_acc, w_acc, state = carry
-            (loss, (weight, new)), grads = grad_fn(params, _seeded(state, step, m, first + m + strided), mb)
-            new = _per_device(_unseeded(new, state))
+            (loss, (weight, new)), grads = grad_fn(params, _seeded(state, step, m, first + m + strided, axes), mb)
+            new = _per_device(_unseeded(new, state), axes)
             return (jax.tree.map(jnp.add, g_acc, grads), l_acc + loss, w_acc + weight, new), None
 
         zero = (
             jax.tree.map(jnp.zeros_like, params),
-            _varying(jnp.zeros((), jnp.float32)),
-            _varying(jnp.zeros((), jnp.float32)),
-            _per_device(rest),
+            _varying(jnp.zeros((), jnp.float32), axes),
+            _varying(jnp.zeros((), jnp.float32), axes),
+            _per_device(rest, axes),
         )
         # Micro-batches accumulate locally: no collective inside the loop (DDP's no_sync).
         (grads, loss, weight, new), _ = jax.lax.scan(one, zero, (micro, jnp.arange(grad_accum)))
-        return grads, loss, weight, _replicated(new, rest)
+        return grads, loss, weight, _replicated(new, rest, axes)
 
     return sums
 
@@ -418,38 +482,60 @@ def make_grad_fn(
     return RefusingDonated(jax.jit(checking_rows(sharded, mesh.devices.size, grad_accum)))
 
 
-def make_eval_step(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh):
+def make_eval_step(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh, model_of=None):
     """(state, global batch) -> (loss sum, weight sum) over the whole global batch; nothing is updated (the
     model's other variables neither: BatchNorm statistics stay as trained).
 
     Evaluation mode is the caller's: pass the graphdef of a model after model.eval() (BatchNorm's running
     averages, no dropout). A batch with a key "valid" (float, one per row: 1 a real row, 0 padding that fills
     the last batch up to a multiple of the devices) counts the valid rows only: the loss is computed row by row
-    (each row a batch of one, without "valid") and the rows' sums are weighted by it."""
+    (each row a batch of one, without "valid") and the rows' sums are weighted by it.
+
+    model_of(shapes, params, rest) -> ((params, rest) -> model), if given, builds the model from each device's split
+    parameters (fsdp's, whose state.shapes are their own shapes); else the parameters are replicated."""
     loss_fn = checked_loss(loss_fn)
+    axes = batch_axes(mesh)
 
-    def step(params, rest, batch: Batch):
-        if "valid" not in batch:
-            loss, weight = loss_fn(nnx.merge(graphdef, params, rest), batch)
-        else:
-            rows = {k: v for k, v in batch.items() if k != "valid"}
-            # The model is built inside the per-row function, so a layer that writes a variable writes its own copy.
-            one = lambda row: loss_fn(nnx.merge(graphdef, params, rest), jax.tree.map(lambda x: x[None], row))  # noqa: E731
-            losses, weights = jax.vmap(one)(rows)
-            valid = batch["valid"].astype(jnp.float32) > 0
-            loss = jnp.sum(jnp.where(valid, losses, 0.0))  # a padding row's loss, even NaN, never counts
-            weight = jnp.sum(jnp.where(valid, weights, 0.0))
-        return jax.lax.psum(loss, AXIS), jax.lax.psum(weight, AXIS)
+    def run(params, rest, batch, shapes):
+        merge = (lambda p, r: nnx.merge(graphdef, p, r)) if model_of is None else model_of(shapes, params, rest)
 
-    sharded = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P(AXIS)), out_specs=(P(), P()))
-    jitted = jax.jit(checking_rows(sharded, mesh.devices.size, 1, "eval step"))
-    return RefusingDonated(lambda state, batch: jitted(state.params, state.rest, batch))  # no optimizer state needed
+        def step(params, rest, batch: Batch):
+            if "valid" not in batch:
+                loss, weight = loss_fn(merge(params, rest), batch)
+            else:
+                rows = {k: v for k, v in batch.items() if k != "valid"}
+                # The model is built inside the per-row function, so a layer that writes a variable writes its own
+                # copy.
+                one = lambda row: loss_fn(merge(params, rest), jax.tree.map(lambda x: x[None], row))  # noqa: E731
+                losses, weights = jax.vmap(one)(rows)
+                valid = batch["valid"].astype(jnp.float32) > 0
+                loss = jnp.sum(jnp.where(valid, losses, 0.0))  # a padding row's loss, even NaN, never counts
+                weight = jnp.sum(jnp.where(valid, weights, 0.0))
+            return jax.lax.psum(loss, axes), jax.lax.psum(weight, axes)
+
+        spec = P() if shapes is None else jax.tree.map(lambda x: P(shard_axis(mesh)) if x.ndim else P(), params)
+        sharded = jax.shard_map(step, mesh=mesh, in_specs=(spec, P(), P(axes)), out_specs=(P(), P()))
+        return sharded(params, rest, batch)
+
+    def eval_step(params, rest, batch, shapes):
+        return run(params, rest, batch, shapes)
+
+    eval_step.__name__ = "step"  # the compilation cache and `jdp allreduce` know it by the name it always had
+    jitted = jax.jit(eval_step, static_argnums=3)
+    n = mesh.devices.size
+
+    def call(state, batch):  # no optimizer state needed
+        check_batch(batch, n, 1, "eval step")
+        return jitted(state.params, state.rest, batch, getattr(state, "shapes", None))
+
+    return RefusingDonated(call)
 
 
 def make_replica_digest(mesh: jax.sharding.Mesh):
     """tree -> one uint32 digest per device of its own copy of the tree (exact, bit-level): the parameters, or
     any replicated pytree ({"params": ..., "rest": ...}): floats by their bits, integers as themselves, keys by
-    their data."""
+    their data. A leaf split over the devices (fsdp's parameters) has no copies to compare: each device digests
+    its rows and every device folds in all of them, so the digest is the one logical leaf's."""
 
     def bits_of(leaf):
         if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
@@ -460,16 +546,38 @@ def make_replica_digest(mesh: jax.sharding.Mesh):
             )
         return leaf.astype(jnp.uint32)
 
-    def digest(tree):
+    def digest(split, tree):
         total = jnp.zeros((), jnp.uint32)
-        for leaf in jax.tree.leaves(tree):
+        for leaf, over in zip(jax.tree.leaves(tree), split, strict=True):
             bits = bits_of(leaf).ravel()
             weights = jnp.arange(1, bits.size + 1, dtype=jnp.uint32)  # position matters, not just the multiset
-            total = total * jnp.uint32(31) + jnp.sum(bits * weights, dtype=jnp.uint32)
+            one = jnp.sum(bits * weights, dtype=jnp.uint32)
+            if over:  # the axes it is split over: fold in every part of it (hsdp: within this group)
+                for part in jax.lax.all_gather(one, over):
+                    total = total * jnp.uint32(31) + part
+            else:
+                total = total * jnp.uint32(31) + one
         return total[None]
 
-    # check_vma=False: each device digests its own copy, which is exactly what must be compared.
-    return jax.jit(jax.shard_map(digest, mesh=mesh, in_specs=P(), out_specs=P(AXIS), check_vma=False))
+    compiled: dict = {}
+
+    def call(tree):
+        specs = jax.tree.map(lambda x: x.sharding.spec if isinstance(x.sharding, NamedSharding) else P(), tree)
+        split = tuple(tuple(a for a in spec if a is not None) for spec in jax.tree.leaves(specs, is_leaf=_is_spec))
+        key = (jax.tree.structure(tree), split)
+        if key not in compiled:
+            # check_vma=False: each device digests its own copy, which is exactly what must be compared.
+            fn = functools.partial(digest, split)
+            compiled[key] = jax.jit(
+                jax.shard_map(fn, mesh=mesh, in_specs=(specs,), out_specs=P(batch_axes(mesh)), check_vma=False)
+            )
+        return compiled[key](tree)
+
+    return call
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
 
 
 def replica_digest_mismatches(digest_fn, tree, mesh: jax.sharding.Mesh) -> list[str]:
@@ -496,9 +604,11 @@ def nonfinite_leaves(tree) -> list[str]:
 
 def replica_mismatches(tree) -> list[str]:
     """Leaves whose copies on this process's devices are not bit-identical, named with the device (keys compared
-    by their data)."""
+    by their data; leaves split over the devices have none)."""
     problems = []
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if not leaf.sharding.is_fully_replicated:  # split over the devices (fsdp): no copies to compare
+            continue
         if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
             leaf = jax.random.key_data(leaf)
         shards = [(s.device, np.asarray(s.data)) for s in leaf.addressable_shards]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -24,7 +25,7 @@ from jax.experimental import multihost_utils
 
 from jdp import parallel, strategies
 from jdp.callbacks import Callback, Checkpoint, Evaluate, ReplicaCheck, imported
-from jdp.checkpoint import Checkpoints, check_resumable, config_differences, make_record
+from jdp.checkpoint import Checkpoints, check_param_shapes, check_resumable, config_differences, make_record
 from jdp.config import Config, ConfigError, Derived, save_config, validate
 from jdp.coordination import PeerMonitor, announce_departure, first_departure
 from jdp.corpus import cache_root
@@ -127,6 +128,11 @@ class Trainer:
     def make_model(self) -> nnx.Module:
         return self.model() if callable(self.model) and not isinstance(self.model, nnx.Module) else self.model
 
+    def model_factory(self) -> Callable[[], nnx.Module] | None:
+        """What makes the model from nothing, when it can be made inside a compiled function (a strategy that
+        splits the parameters places each device's rows as they are made); None for a model given made."""
+        return self.model if callable(self.model) and not isinstance(self.model, nnx.Module) else None
+
     def describe_model(self, n_params: int, peak: float, peak_source: str) -> str:
         return f"model {n_params:,} parameters | MFU peak: {peak / 1e12:.3g} TFLOP/s, {peak_source}"
 
@@ -161,7 +167,7 @@ class Trainer:
                 run_dir.check_contained()
             except RunDirEscape as e:
                 raise ConfigError(str(e)) from None
-            mesh = self.mesh if self.mesh is not None else parallel.make_mesh()
+            mesh = self.mesh if self.mesh is not None else parallel.mesh_for(self.cfg.parallel)
             derived = self.check(mesh)  # before the run directory is made: a bad config leaves nothing behind
             if (complete := hold(lock, run_dir, cfg)) is not None:
                 return already_complete(run_dir, complete)
@@ -191,11 +197,13 @@ class Trainer:
         cache = use_compilation_cache(cache_root(cfg.data) / "xla") if t.compile_cache else None
         with phases("loading data"):
             data, eval_data = self.load_data(parallel.process_rows(t.batch_size, mesh))
+        factory = self.model_factory() if parallel.opt_layout(cfg.parallel.strategy, mesh).rows else None
         with phases(self.model_phase):
-            model = self.make_model()
+            model = nnx.eval_shape(factory) if factory is not None else self.make_model()
         with phases("building the model and compiling"):
-            steps = build_steps(model, self.loss_fn, self.optimizer, mesh, cfg, self.schedule, self.comm_hook)
-            n_params = sum(x.size for x in jax.tree.leaves(steps.state.params))
+            steps = build_steps(model, self.loss_fn, self.optimizer, mesh, cfg, self.schedule, self.comm_hook,
+                                factory)  # fmt: skip
+            n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(steps.state.param_shapes()))
         with phases("looking for checkpoints"):
             run_dir = RunDir(t.run_dir)
             ckpts, resumed_from, state = self.restore(run_dir, steps, data)
@@ -237,8 +245,12 @@ class Trainer:
             log.info(f"train.resume=false: the previous run's files are now in {archived}")
         multihost_utils.sync_global_devices("jdp: run directory ready")
         ckpts = Checkpoints(run_dir.path, t.ckpt_keep)
-        if not t.resume or not (restored := ckpts.restore_latest(steps.state, lambda r: check_resumable(r, cfg),
-                                                                  steps.target)):  # fmt: skip
+
+        def check(record):
+            check_resumable(record, cfg)
+            check_param_shapes(record, steps.state.param_shapes())
+
+        if not t.resume or not (restored := ckpts.restore_latest(steps.state, check, steps.target)):
             return ckpts, None, steps.state
         start, state, record = restored
         state = steps.after_restore(state, record)
@@ -278,7 +290,8 @@ class Steps:
     def after_restore(self, state, record: dict):
         """A restored state laid out for today's strategy, saying what moved."""
         if (saved := self.layout.of_record(record)) != self.layout:
-            state = parallel.relayout(state, self.optimizer, self.mesh, self.strategy)
+            if saved.flat or self.layout.flat:  # else it was read straight into today's layout
+                state = parallel.relayout(state, self.optimizer, self.mesh, self.strategy)
             log.info(f"optimizer state moved from {saved.describe()} to {self.layout.describe()}")
         if record.get("comm") != self.comm and (record.get("comm") or self.comm):
             log.info(comm_change(record.get("comm"), self.comm))
@@ -286,7 +299,8 @@ class Steps:
 
     def recorder(self, cfg: Config) -> Callable[[int], dict]:
         layout, comm = self.layout.to_record(), self.comm
-        return lambda step: make_record(cfg, step, layout, comm)
+        shapes = [list(x.shape) for x in jax.tree.leaves(self.state.param_shapes())]
+        return lambda step: make_record(cfg, step, layout, comm, shapes)
 
 
 def apply_xla_options(cfg: Config) -> None:
@@ -305,19 +319,24 @@ def apply_xla_options(cfg: Config) -> None:
         )
 
 
-def build_steps(model, loss_fn, optimizer, mesh, cfg: Config, schedule=None, comm_hook=None) -> Steps:
+def build_steps(model, loss_fn, optimizer, mesh, cfg: Config, schedule=None, comm_hook=None, factory=None) -> Steps:
     """The model's state on `mesh` as parallel.strategy keeps it, the jitted train step, and an eval step that
-    runs the model in evaluation mode (`model.eval()`: dropout off, BatchNorm's running statistics)."""
+    runs the model in evaluation mode (`model.eval()`: dropout off, BatchNorm's running statistics). With
+    `factory` (what makes the model; `model` is then its shapes) the state is made by parallel.init_state_from."""
     p = cfg.parallel
     model.eval()
     eval_graphdef = nnx.graphdef(model)
     model.train()
-    graphdef, state = parallel.init_state(model, optimizer, mesh, p.strategy, comm_hook)
+    if factory is not None:
+        graphdef, state = parallel.init_state_from(factory, optimizer, mesh, p.strategy, comm_hook)
+    else:
+        graphdef, state = parallel.init_state(model, optimizer, mesh, p.strategy, comm_hook)
     train_step = parallel.make_train_step(
         graphdef, loss_fn, optimizer, mesh, cfg.train.grad_accum, schedule,
         strategy=p.strategy, bucket_mb=p.bucket_mb, reduce_dtype=p.reduce_dtype, comm_hook=comm_hook,
+        **strategies.get(p.strategy).options_of(p),
     )  # fmt: skip
-    eval_step = parallel.make_eval_step(eval_graphdef, loss_fn, mesh)
+    eval_step = parallel.make_strategy_eval_step(eval_graphdef, loss_fn, mesh, p.strategy)
     return Steps(graphdef, state, train_step, eval_step, optimizer, mesh, p.strategy, comm_hook)
 
 
@@ -503,8 +522,8 @@ def finish(run: Run, world: World, derived: Derived, r: Result) -> dict:
         "platform": jax.devices()[0].platform,  # what `jdp plan --calibrate` checks the run against
         "device_kind": jax.devices()[0].device_kind,
         "goodput": r.goodput,
-        "params_sha256": params_sha256(r.state.params),
-        "params_fingerprint": fingerprint(r.state.params),
+        "params_sha256": params_sha256(r.state.params, r.state.shapes),
+        "params_fingerprint": fingerprint(r.state.params, r.state.shapes),
     }
     if jax.process_index() == 0:
         run.run_dir.summary.write_text(json.dumps(summary, indent=1))

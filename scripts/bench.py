@@ -15,6 +15,7 @@ alternating in rounds, so the machine's background load hits both sides alike:
                     faster). On a CPU the devices are simulated and share the same cores.
   zero1_vs_ddp      step time of parallel.strategy=zero1 over that of ddp (< 1: zero1 is faster), on 4 devices of
                     one process and on 2 processes (`jdp launch`), with the optimizer bytes one device holds.
+  fsdp_vs_ddp       the same for parallel.strategy=fsdp, with the parameter and optimizer bytes one device holds.
   powersgd          parallel.compression=powersgd (rank 4, no warm-up) against plain ddp on 2 processes
                     (`jdp launch`, gloo on CPU): the bytes each step all-reduces (from the compiled programs, as
                     `jdp allreduce` reports them) and the step time ratio (> 1: PowerSGD is faster).
@@ -178,6 +179,11 @@ def measure_zero1(config: str, overrides: list[str], rounds: int, steps: int) ->
     return {**r, "zero1_vs_ddp": r["zero1_step_s"] / r["ddp_step_s"]}
 
 
+def measure_fsdp(config: str, overrides: list[str], rounds: int, steps: int) -> dict:
+    r = measure_strategies(config, overrides, rounds, steps, ("ddp", "fsdp"))
+    return {**r, "fsdp_vs_ddp": r["fsdp_step_s"] / r["ddp_step_s"]}
+
+
 def measure_strategies(config: str, overrides: list[str], rounds: int, steps: int, strategies: tuple) -> dict:
     """Step time of each strategy on every device of this process, alternating; optimizer bytes on one device."""
     cfg = _setup(config, overrides)
@@ -199,7 +205,7 @@ def measure_strategies(config: str, overrides: list[str], rounds: int, steps: in
         "weights": np.ones(shape, np.float32),
     }
     batch = parallel.shard_batch(local, mesh, t.batch_size)
-    runs, opt_bytes = {}, {}
+    runs, opt_bytes, param_bytes = {}, {}, {}
     first = mesh.devices.flat[0]
     for strategy in strategies:
         c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, strategy=strategy))
@@ -209,6 +215,8 @@ def measure_strategies(config: str, overrides: list[str], rounds: int, steps: in
         runs[strategy] = [state, step]
         shards = [s for x in jax.tree.leaves(state.opt_state) for s in x.addressable_shards if s.device == first]
         opt_bytes[strategy] = sum(s.data.nbytes for s in shards)
+        mine = [s for x in jax.tree.leaves(state.params) for s in x.addressable_shards if s.device == first]
+        param_bytes[strategy] = sum(s.data.nbytes for s in mine)
     times = {s: [] for s in strategies}
     for _ in range(rounds):
         for strategy, run in runs.items():
@@ -221,6 +229,7 @@ def measure_strategies(config: str, overrides: list[str], rounds: int, steps: in
     for s in strategies:
         out[f"{s}_step_s"] = statistics.median(times[s])
         out[f"{s}_opt_bytes_per_device"] = opt_bytes[s]
+        out[f"{s}_param_bytes_per_device"] = param_bytes[s]
     return out
 
 
@@ -270,7 +279,7 @@ def main() -> int:
     ap.add_argument("overrides", nargs="*", help="section.key=value for the config")
     a = ap.parse_args()
     if a.child:
-        fn = {"single": measure_single, "ddp_dp": measure_ddp_dp, "zero1": measure_zero1}[a.child]
+        fn = {"single": measure_single, "ddp_dp": measure_ddp_dp, "zero1": measure_zero1, "fsdp": measure_fsdp}[a.child]
         print(json.dumps(fn(a.config, a.overrides, a.rounds, a.steps)))
         return 0
     if not a.out:
@@ -287,7 +296,9 @@ def main() -> int:
     if "ddp_dp" in a.only:
         ddp_vs_dp(a, gpu, results)
     if "zero1" in a.only:
-        zero1_vs_ddp(a, gpu, out, results)
+        split_vs_ddp(a, gpu, out, results, "zero1")
+    if "fsdp" in a.only:
+        split_vs_ddp(a, gpu, out, results, "fsdp")
     if "powersgd" in a.only:
         powersgd_vs_ddp(a, gpu, out, results)
     if "torch" in a.only and not a.skip_torch:
@@ -299,7 +310,7 @@ def main() -> int:
     return 0
 
 
-SECTIONS = ["single", "ddp_dp", "zero1", "powersgd", "torch"]
+SECTIONS = ["single", "ddp_dp", "zero1", "fsdp", "powersgd", "torch"]
 
 
 def single_device(a, gpu: bool, results: dict) -> None:
@@ -325,23 +336,24 @@ def ddp_vs_dp(a, gpu: bool, results: dict) -> None:
     results["ddp_vs_dp_detail"] = ddp_dp
 
 
-def zero1_vs_ddp(a, gpu: bool, out: Path, results: dict) -> None:
+def split_vs_ddp(a, gpu: bool, out: Path, results: dict, strategy: str) -> None:
+    """`strategy` (zero1 or fsdp) against ddp: on 4 devices of one process, then on 2 processes."""
     n = min(4, _gpu_count()) if gpu else 4
-    print(f"[bench] zero1 vs ddp on {n} device(s) of one process, then on 2 processes", flush=True)
+    print(f"[bench] {strategy} vs ddp on {n} device(s) of one process, then on 2 processes", flush=True)
     args = ["--config", a.config, "--rounds", str(a.rounds), "--steps", str(a.steps), *a.overrides]
-    zero1 = child("zero1", 0 if gpu else n, args)
+    measured = child(strategy, 0 if gpu else n, args)
     steps = max(20, 4 * a.steps)
-    launched = {"ddp": [], "zero1": []}
+    launched = {"ddp": [], strategy: []}
     for _ in range(2):
-        for strategy in launched:
-            extra = [*a.overrides, f"parallel.strategy={strategy}"]
-            launched[strategy].append(jdp_launch_tps(a.config, extra, 2, steps, out, gpu))
-    zero1["processes_tokens_per_s"] = launched
-    results["zero1_vs_ddp"] = {
-        f"{n}_devices": zero1["zero1_vs_ddp"],
-        "2_processes": statistics.median(launched["ddp"]) / statistics.median(launched["zero1"]),
+        for name in launched:
+            extra = [*a.overrides, f"parallel.strategy={name}"]
+            launched[name].append(jdp_launch_tps(a.config, extra, 2, steps, out, gpu))
+    measured["processes_tokens_per_s"] = launched
+    results[f"{strategy}_vs_ddp"] = {
+        f"{n}_devices": measured[f"{strategy}_vs_ddp"],
+        "2_processes": statistics.median(launched["ddp"]) / statistics.median(launched[strategy]),
     }
-    results["zero1_vs_ddp_detail"] = zero1
+    results[f"{strategy}_vs_ddp_detail"] = measured
 
 
 def powersgd_vs_ddp(a, gpu: bool, out: Path, results: dict) -> None:
@@ -414,23 +426,33 @@ def table(r: dict) -> str:
                 f"ddp {d['ddp_step_s'] * 1e3:.0f} ms, dp {d['dp_step_s'] * 1e3:.0f} ms",
             )
         )
-    if "zero1_vs_ddp" in r:
-        z = r["zero1_vs_ddp_detail"]
+    for strategy in ("zero1", "fsdp"):
+        if f"{strategy}_vs_ddp" not in r:
+            continue
+        z = r[f"{strategy}_vs_ddp_detail"]
         n = z["devices"]
+        held = (
+            f"optimizer state per device {z[f'{strategy}_opt_bytes_per_device'] / 1e6:.2f} MB against "
+            f"{z['ddp_opt_bytes_per_device'] / 1e6:.2f} MB"
+        )
+        if strategy == "fsdp":
+            held += (
+                f", parameters {z['fsdp_param_bytes_per_device'] / 1e6:.2f} MB against "
+                f"{z['ddp_param_bytes_per_device'] / 1e6:.2f} MB"
+            )
         rows.append(
             (
-                f"zero1_vs_ddp ({n} dev)",
-                f"{r['zero1_vs_ddp'][f'{n}_devices']:.3f}",
-                f"zero1 {z['zero1_step_s'] * 1e3:.0f} ms, ddp {z['ddp_step_s'] * 1e3:.0f} ms; optimizer state per device "
-                f"{z['zero1_opt_bytes_per_device'] / 1e6:.2f} MB against {z['ddp_opt_bytes_per_device'] / 1e6:.2f} MB",
+                f"{strategy}_vs_ddp ({n} dev)",
+                f"{r[f'{strategy}_vs_ddp'][f'{n}_devices']:.3f}",
+                f"{strategy} {z[f'{strategy}_step_s'] * 1e3:.0f} ms, ddp {z['ddp_step_s'] * 1e3:.0f} ms; {held}",
             )
         )
         t = z["processes_tokens_per_s"]
         rows.append(
             (
-                "zero1_vs_ddp (2 proc)",
-                f"{r['zero1_vs_ddp']['2_processes']:.3f}",
-                f"zero1 {statistics.median(t['zero1']):,.0f}, ddp {statistics.median(t['ddp']):,.0f} tokens/s",
+                f"{strategy}_vs_ddp (2 proc)",
+                f"{r[f'{strategy}_vs_ddp']['2_processes']:.3f}",
+                f"{strategy} {statistics.median(t[strategy]):,.0f}, ddp {statistics.median(t['ddp']):,.0f} tokens/s",
             )
         )
     if "powersgd" in r:

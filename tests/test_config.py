@@ -409,8 +409,8 @@ def test_validate_parallel_options():
     with pytest.raises(ConfigError, match="single-process master pattern"):
         validate(_with(parallel={"strategy": "dp"}), n_devices=4, n_processes=2)
     validate(_with(parallel={"strategy": "dp"}), n_devices=4, n_processes=1)
-    with pytest.raises(ConfigError, match="must be one of ddp, zero1, dp"):
-        validate(_with(parallel={"strategy": "fsdp"}), n_devices=1)
+    with pytest.raises(ConfigError, match="must be one of ddp, zero1, fsdp, hsdp, dp"):
+        validate(_with(parallel={"strategy": "zero3"}), n_devices=1)
     with pytest.raises(ConfigError, match="bucket_mb=-1.0 must be >= 0"):
         validate(_with(parallel={"bucket_mb": -1.0}), n_devices=1)
     with pytest.raises(ConfigError, match="reduce_dtype='float16' must be one of float32, bfloat16"):

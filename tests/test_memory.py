@@ -112,7 +112,11 @@ def test_what_would_fit_is_computed():
     text = memory.refusal(cfg, derived, smaller, "cpu")
     assert "parallel.strategy=zero1 (" not in text and "train.batch_size=" in text
     fixed = ddp.total - ddp.activations
-    hopeless = memory.refusal(cfg, derived, _one_gpu(fixed), "cpu")  # the state alone fills the device
+    # ddp's state alone fills the device: fsdp, which splits it, is what would fit (with a smaller batch here)
+    split = memory.refusal(cfg, derived, _one_gpu(fixed), "cpu")
+    assert "What would fit" in split and "parallel.strategy=fsdp" in split
+    fsdp = plan.device_memory(cfg, 4, 8, False, "fsdp", state)
+    hopeless = memory.refusal(cfg, derived, _one_gpu(fsdp.total - fsdp.activations), "cpu")  # fsdp's state too
     assert "What would fit" not in hopeless and f"alone need {memory._gb(fixed)}" in hopeless
     assert memory.refusal(cfg, derived, _one_gpu(ddp.total), "cpu") is None
     # Neither zero1 nor a smaller batch alone: the two together, one sequence per device.

@@ -40,6 +40,8 @@ class Strategy:
     combine_cpu_all_reduces: bool = False  # XLA:CPU may merge its all-reduces (they are scalars only)
     instead: tuple[str, ...] = ()  # what the memory check suggests when this one does not fit, in order
     saves: str = ""  # why it needs less memory than the others, for that suggestion ({n}: devices, {opt}: bytes)
+    options: tuple[str, ...] = ()  # the `parallel.*` keys its make_train_step and costs take as keyword arguments
+    groups: bool = False  # runs on a mesh of groups of parallel.shard_size devices (jdp.make_mesh(shard_size=K))
 
     @property
     def planned(self) -> bool:
@@ -55,9 +57,17 @@ class Strategy:
         and where planned, traffic(buckets, n, grad_accum) -> costs.Traffic."""
         return importlib.import_module(self.module)
 
-    def problems(self, parallel: Any, n_processes: int) -> list[str]:
-        """What is wrong with running it as `parallel` (the config's section) on `n_processes` processes."""
+    def problems(self, parallel: Any, n_processes: int, n_devices: int = 0) -> list[str]:
+        """What is wrong with running it as `parallel` (the config's section) on `n_processes` processes and
+        `n_devices` devices."""
         out = []
+        k = getattr(parallel, "shard_size", 0)
+        if self.groups and n_devices and (k < 1 or n_devices % k):
+            fits = [d for d in range(1, n_devices + 1) if n_devices % d == 0]
+            out.append(
+                f"parallel.strategy={self.name} splits the state inside groups of parallel.shard_size devices (a "
+                f"node's); shard_size={k} does not divide the {n_devices} devices: use one of {fits}"
+            )
         if self.one_process and n_processes > 1:
             out.append(
                 f"parallel.strategy={self.name} is PyTorch DataParallel's single-process master pattern and cannot "
@@ -69,6 +79,10 @@ class Strategy:
                 f"parallel.strategy={self.name} has none (use parallel.strategy=ddp, or parallel.compression=none)"
             )
         return out
+
+    def options_of(self, parallel: Any) -> dict:
+        """Its options' values from the config's `parallel` section."""
+        return {k: getattr(parallel, k) for k in self.options}
 
     def xla_flags(self, bucket_mb: float) -> dict[str, str]:
         return world.collective_flags(bucket_mb, self.combine_cpu_all_reduces)
@@ -86,7 +100,7 @@ REGISTRY: dict[str, Strategy] = {
             "jdp.strategies.ddp",
             "every device keeps everything; gradients all-reduced in buckets; every replica updates",
             comm_hooks=True,
-            instead=("zero1",),
+            instead=("zero1", "fsdp"),
             saves="no master gathers every device's gradients",
         ),
         Strategy(
@@ -98,6 +112,32 @@ REGISTRY: dict[str, Strategy] = {
             gathers_parameters=True,
             combine_cpu_all_reduces=True,
             saves="each device keeps 1/{n} of the optimizer state, {opt}",
+            instead=("fsdp",),
+        ),
+        Strategy(
+            "fsdp",
+            "jdp.strategies.fsdp",
+            "parameters, gradients and optimizer state split over the devices; each block gathered for its forward "
+            "and backward, its gradients reduce-scattered (ZeRO-3, PyTorch FSDP2)",
+            split_optimizer=True,
+            gradients="reduce-scatter",
+            gathers_parameters=True,
+            combine_cpu_all_reduces=True,
+            saves="each device keeps 1/{n} of the parameters, gradients and optimizer state",
+            options=("reshard_after_forward",),
+        ),
+        Strategy(
+            "hsdp",
+            "jdp.strategies.hsdp",
+            "fsdp inside each group of parallel.shard_size devices (a node), the groups replicas of each other: "
+            "gathers and reduce-scatters inside a group, the gradient shards all-reduced across groups",
+            split_optimizer=True,
+            gradients="reduce-scatter",
+            gathers_parameters=True,
+            combine_cpu_all_reduces=True,
+            saves="each device keeps 1/parallel.shard_size of the parameters, gradients and optimizer state",
+            options=("reshard_after_forward", "shard_size"),
+            groups=True,
         ),
         Strategy(
             "dp",
@@ -106,7 +146,7 @@ REGISTRY: dict[str, Strategy] = {
             one_process=True,
             master=True,
             gradients="",
-            instead=("ddp", "zero1"),
+            instead=("ddp", "zero1", "fsdp"),
         ),
     )
 }

@@ -1,0 +1,421 @@
+"""fsdp: ZeRO stage 3 (PyTorch FSDP2, MaxText's `fsdp` axis, the JAX scaling book's recipe). Every parameter, its
+gradient and its optimizer state live split over the devices, padded along the first axis (OptLayout(rows=True));
+each device still trains on its own rows of the batch.
+
+Each forward gathers one unit's parameters at a time: one all-gather per block of the model's repeated blocks (an
+`nnx.List` of modules, `blocks.<i>` in GPT and Llama), and one for everything outside them (embeddings, final norm),
+gathered first. The gather's backward is a reduce-scatter of that unit's gradients in `parallel.reduce_dtype`, so
+each device receives the summed gradient of its own rows only, as backward finishes the block. With
+`reshard_after_forward` (the default, ZeRO-3) a block's gathered parameters are dropped after its forward and
+gathered again for its backward (jax.checkpoint saving the matrix products' outputs only, so what is recomputed
+is the gather and the block's elementwise work); without it they stay until backward (ZeRO-2-like: faster, one
+model's worth of parameters more). The optimizer update runs on the rows, as zero1's does on its slices.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jdp.costs import Buckets, Collectives, Memory, Traffic, tree_bytes
+from jdp.guards import RefusingDonated, check_batch
+from jdp.hooks import CommHook
+from jdp.mesh import REPLICA, Batch, batch_axes, shard_axis, shard_count
+from jdp.step import LossFn, OptLayout, TrainState, apply_update, keep_if, local_sums, param_names
+
+__all__ = [
+    "Units", "layout", "make_eval_step", "make_train_step", "opt_shardings", "report_units", "state_bytes", "traffic",
+]  # fmt: skip
+
+
+def layout(mesh: jax.sharding.Mesh) -> OptLayout:
+    """Parameters and optimizer state padded along their first axis to a multiple of the devices they are split
+    over (all of them; hsdp: a group's), split in rows."""
+    return OptLayout(shard_count(mesh), rows=True)
+
+
+def opt_shardings(shapes, mesh: jax.sharding.Mesh):
+    return layout(mesh).shardings(shapes, mesh)
+
+
+def state_bytes(
+    params, opt_state, optimizer: optax.GradientTransformation, n: int, grad_accum: int,
+    reshard_after_forward: bool = True, **_,
+) -> Memory:  # fmt: skip
+    """1/n of the (padded) parameters, their gradients and optimizer state, plus the largest unit's parameters and
+    gradients gathered whole (one block at a time; two with prefetch, which XLA's scheduler may do); without
+    resharding every block's gathered parameters stay until backward."""
+    lay = OptLayout(n, rows=True)
+    padded = jax.tree.map(lambda x: jax.ShapeDtypeStruct(lay.shape(x), x.dtype), params)
+    p = tree_bytes(padded) // n
+    opt = tree_bytes(lay.shapes(optimizer, params)) // n
+    unit = max(Units.of_names(param_names(params)).unit_bytes(params), default=0)
+    gathered = 2 * unit if reshard_after_forward else tree_bytes(params)
+    return Memory(p + gathered, p + unit, p if grad_accum > 1 else 0, opt, opt_note=f"this device's 1/{n}")
+
+
+def traffic(buckets: Buckets, n: int, grad_accum: int, reshard_after_forward: bool = True, **_) -> Traffic:
+    """Three parameter-sized transfers a step where ddp has two: the forward's all-gathers, the backward's
+    all-gathers again (reshard_after_forward) and the gradients' reduce-scatters, each per block, each hidden behind
+    the compute of the block before it except the first gather and the last scatter."""
+    per_step = grad_accum
+    gather = Collectives("all-gather", "parameters (forward)", buckets.params * per_step, "forward")
+    regather = Collectives("all-gather", "parameters (backward)", buckets.params * per_step, "backward")
+    scatter = Collectives("reduce-scatter", f"{buckets.reduce_dtype} gradients", buckets.grads * per_step, "backward")
+    exposed = "the first block's gather and the last block's reduce-scatter; the rest runs behind compute"
+    return Traffic((gather, regather, scatter) if reshard_after_forward else (gather, scatter), exposed)
+
+
+def report_units(graphdef, state: TrainState, reshard_after_forward: bool = True, **_) -> tuple[list, list]:
+    """What `jdp allreduce` matches the compiled step's collectives against: (the reduce-scatters: one per unit,
+    the all-gathers: one per unit, and each block once more when resharding), as buckets of padded elements."""
+    from jdp.buckets import Bucket
+
+    mesh = next(x.sharding.mesh for x in jax.tree.leaves(state.params) if x.ndim)
+    names, leaves = param_names(state.params), jax.tree.leaves(state.params)
+    units = Units.of_names(names, mesh, _abstract(graphdef, state.param_shapes(), state.rest))
+
+    def bucket(ks):
+        return Bucket(tuple(ks), tuple(names[k] for k in ks), sum(leaves[k].size for k in ks),
+                      sum(leaves[k].nbytes for k in ks))  # fmt: skip
+
+    scatters = [bucket(ks) for ks in units.all()]
+    gathers = scatters + ([bucket(ks) for ks in units.blocks.values()] if reshard_after_forward else [])
+    return scatters, gathers
+
+
+def _leaf_rows(shape: tuple, n: int) -> int:
+    return (shape[0] + -shape[0] % n) // n
+
+
+@dataclass(frozen=True)
+class Axes:
+    """Where the collectives run: the rows are gathered and the gradients reduce-scattered over `shard` (n devices:
+    all of `data` for fsdp, a group for hsdp), the shards then summed over `replica` (hsdp), and `batch` are the
+    axes the batch is split over (all of them)."""
+
+    shard: str
+    n: int
+    replica: str | None
+    batch: object
+
+    @staticmethod
+    def of(mesh: jax.sharding.Mesh) -> Axes:
+        replica = REPLICA if REPLICA in mesh.axis_names else None
+        return Axes(shard_axis(mesh), shard_count(mesh), replica, batch_axes(mesh))
+
+
+def _gather(shards: list, shapes: list, axes: Axes) -> list:
+    """This device's rows of each leaf -> every leaf whole (padding cut off): one all-gather per dtype."""
+    out = [None] * len(shards)
+    n = axes.n
+    for dtype in sorted({x.dtype for x in shards}, key=str):
+        ks = [k for k, x in enumerate(shards) if x.dtype == dtype]
+        every = jax.lax.all_gather(jnp.concatenate([shards[k].ravel() for k in ks]), axes.shard, tiled=False)
+        offset = 0
+        for k in ks:
+            x, width = shards[k], shards[k].size
+            out[k] = every[:, offset : offset + width].reshape(n * x.shape[0], *x.shape[1:])[: shapes[k][0]]
+            offset += width
+    if axes.replica and hasattr(jax.lax, "pcast"):
+        # Typed as differing between the groups from here on, so that autodiff adds no all-reduce of the whole
+        # gradient across groups: the backward sums the reduce-scattered shard across them instead (_scatter).
+        out = [jax.lax.pcast(x, axes.replica, to="varying") for x in out]
+    return out
+
+
+def _scatter(grads: list, axes: Axes, reduce_dtype: str, dtypes: list) -> list:
+    """Every leaf's gradient on this device -> the sum over devices of this device's rows: one reduce-scatter
+    (hsdp: inside the group, then one all-reduce of the shard across the groups)."""
+    n = axes.n
+    differs = jax.lax.pcast(jnp.bool_(True), axes.batch, to="varying") if hasattr(jax.lax, "pcast") else None
+    rows = []
+    for g in grads:
+        g = g.astype(reduce_dtype)
+        if differs is not None:  # a gradient that no row changed is typed as the same everywhere: make it per device
+            g = jax.lax.select(jnp.broadcast_to(differs, g.shape), g, g)
+        r = _leaf_rows(g.shape, n)
+        rows.append(jnp.pad(g, [(0, n * r - g.shape[0])] + [(0, 0)] * (g.ndim - 1)).reshape(n, -1))
+    mine = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1), axes.shard, scatter_dimension=0, tiled=True)[0]
+    if axes.replica:
+        mine = jax.lax.psum(mine, axes.replica)
+    out, offset = [], 0
+    for g, row, dtype in zip(grads, rows, dtypes, strict=True):
+        width = row.shape[1]
+        out.append(mine[offset : offset + width].reshape(_leaf_rows(g.shape, n), *g.shape[1:]).astype(dtype))
+        offset += width
+    return out
+
+
+def _gatherer(shapes: tuple, dtypes: tuple, axes: Axes, reduce_dtype: str):
+    """shards -> whole leaves, whose backward reduce-scatters the gradients (in reduce_dtype)."""
+
+    @jax.custom_vjp
+    def gather(shards):
+        return tuple(_gather(list(shards), list(shapes), axes))
+
+    def fwd(shards):
+        return gather(shards), None
+
+    def bwd(_, grads):
+        return (tuple(_scatter(list(grads), axes, reduce_dtype, list(dtypes))),)
+
+    gather.defvjp(fwd, bwd)
+    return gather
+
+
+_BLOCK = re.compile(r"^(.+?)\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Units:
+    """What is gathered together. `blocks` {(container path, index): leaf indices}: each module of the model's
+    repeated blocks (an nnx.List of modules), gathered for its forward and, resharding, again for its backward.
+    `modules` {attribute: leaf indices}: each other module the model holds (embeddings, final norm, output head),
+    gathered when first used in a forward and kept to the end of it (a tied embedding is used twice). `outer`: the
+    parameters the model holds itself (GPT's learned positions), gathered before the forward starts."""
+
+    axes: Axes
+    blocks: dict
+    modules: dict
+    outer: tuple
+
+    @staticmethod
+    def of_names(names: list[str], mesh: jax.sharding.Mesh | None = None, model=None) -> Units:
+        blocks: dict = {}
+        modules: dict = {}
+        outer = []
+        for k, name in enumerate(names):
+            head = name.split(".")[0]
+            if m := _BLOCK.match(name):
+                blocks.setdefault((m.group(1), int(m.group(2))), []).append(k)
+            elif "." in name and (model is None or isinstance(getattr(model, head, None), nnx.Module)):
+                modules.setdefault(head, []).append(k)
+            else:
+                outer.append(k)
+        return Units(Axes.of(mesh) if mesh is not None else None, {key: tuple(v) for key, v in blocks.items()},
+                     {key: tuple(v) for key, v in modules.items()}, tuple(outer))  # fmt: skip
+
+    def all(self) -> list[tuple]:
+        return [*self.blocks.values(), *self.modules.values(), *([self.outer] if self.outer else [])]
+
+    def unit_bytes(self, params) -> list[int]:
+        leaves = jax.tree.leaves(params)
+        return [tree_bytes([leaves[k] for k in unit]) for unit in self.all()]
+
+    def model_of(self, graphdef, shapes: tuple, reduce_dtype: str, reshard: bool):
+        """(this device's rows, rest) -> (the model, whose units gather their parameters when used, and a function
+        that puts the model's own modules back)."""
+
+        def gatherer(leaves, ks):
+            return _gatherer(tuple(shapes[k] for k in ks), tuple(leaves[k].dtype for k in ks), self.axes, reduce_dtype)
+
+        def build(params, rest):
+            leaves, tree = jax.tree.flatten(params)
+            whole = list(leaves)
+            if self.outer:
+                for k, x in zip(self.outer, gatherer(leaves, self.outer)(tuple(leaves[k] for k in self.outer)),
+                                strict=True):  # fmt: skip
+                    whole[k] = x
+            model = nnx.merge(graphdef, jax.tree.unflatten(tree, whole), rest, copy=True)
+            swapped = []
+            for (path, i), ks in self.blocks.items():
+                container = _find(model, path)
+                if not isinstance(block := container[i], nnx.Module):
+                    raise ValueError(f"strategy='fsdp' gathers {path}.{i} as a block, but it is not a module")
+                container[i] = _Gathered(block, gatherer(leaves, ks), reshard, None)
+                swapped.append((container.__setitem__, i, block))
+            for name, ks in self.modules.items():
+                module = getattr(model, name)
+                setattr(model, name, _Gathered(module, gatherer(leaves, ks), False, _Once()))
+                swapped.append((lambda key, value: setattr(model, key, value), name, module))
+
+            def restore():
+                for put, key, original in swapped:
+                    put(key, original)
+
+            return model, restore
+
+        return build
+
+
+def _find(model, path: str):
+    obj = model
+    for part in path.split("."):
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return obj
+
+
+class _Once:
+    """A module's gathered parameters, kept for the rest of one forward (None until first used)."""
+
+    value = None
+
+
+class _Gathered(nnx.Module):
+    """A module whose parameters are this device's rows: calling it (or any of its methods: a tied embedding's
+    `attend`) gathers them whole and runs it. A block lets go of them after its forward (reshard: gathered again
+    for backward); a module with `once` gathers them at its first use and keeps them for the rest of the forward."""
+
+    def __init__(self, module: nnx.Module, gather, reshard: bool, once: _Once | None):
+        self.module, self.gather, self.reshard, self.once = module, gather, reshard, once
+
+    def __call__(self, *args, **kwargs):
+        return self.run("__call__", args, kwargs)
+
+    def __getattr__(self, name: str):
+        if name.startswith("_") or name in ("module", "gather", "reshard", "once"):
+            raise AttributeError(name)
+        if not callable(getattr(type(self.module), name, None)):
+            raise AttributeError(f"strategy='fsdp' gathers {type(self.module).__name__}'s parameters when it is "
+                                 f"called; its attribute {name!r} is read directly (make it a method)")  # fmt: skip
+        return lambda *args, **kwargs: self.run(name, args, kwargs)
+
+    def run(self, method: str, args, kwargs):
+        graphdef, shards, rest = nnx.split(self.module, nnx.Param, ...)
+        arrays = {i: a for i, a in enumerate(args) if isinstance(a, jax.Array)}
+        leaves, tree = jax.tree.flatten(shards)
+
+        def whole(leaves):
+            if self.once is None:
+                return self.gather(tuple(leaves))
+            if self.once.value is None:
+                self.once.value = self.gather(tuple(leaves))
+            return self.once.value
+
+        def run(leaves, rest, arrays):
+            module = nnx.merge(graphdef, jax.tree.unflatten(tree, list(whole(leaves))), rest)
+            out = getattr(module, method)(*[arrays.get(i, a) for i, a in enumerate(args)], **kwargs)
+            return out, nnx.split(module, nnx.Param, ...)[2]
+
+        if self.reshard:
+            run = jax.checkpoint(run, policy=jax.checkpoint_policies.dots_saveable)
+        out, rest = run(leaves, rest, arrays)
+        nnx.update(self.module, rest)
+        return out
+
+
+def _abstract(graphdef, param_shapes, rest):
+    """The model with shapes for values: which of its attributes are modules (nothing is computed)."""
+    return nnx.eval_shape(lambda: nnx.merge(graphdef, param_shapes, rest))
+
+
+def _specs(params, mesh: jax.sharding.Mesh):
+    return jax.tree.map(lambda x: P(shard_axis(mesh)) if x.ndim else P(), params)
+
+
+def _check_state(state: TrainState, mesh: jax.sharding.Mesh, name: str) -> None:
+    n = shard_count(mesh)
+    if state.shapes is None or any(
+        x.ndim and x.shape[0] != OptLayout(n, rows=True).shape(jax.ShapeDtypeStruct(s, x.dtype))[0]
+        for x, s in zip(jax.tree.leaves(state.params), state.shapes, strict=True)
+    ):
+        raise ValueError(
+            f"the parameters are not laid out for {name} on {n} devices: build the state with "
+            f"init_state(model, optimizer, mesh, strategy='{name}')"
+        )
+
+
+def make_train_step(
+    graphdef,
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    mesh: jax.sharding.Mesh,
+    grad_accum: int = 1,
+    schedule: optax.Schedule | None = None,
+    *,
+    bucket_mb: float = 25.0,
+    reduce_dtype: str = "float32",
+    comm_hook: CommHook | None = None,
+    reshard_after_forward: bool = True,
+):
+    """The fsdp step: each device's rows of every parameter gathered block by block in forward (and again in
+    backward with reshard_after_forward), the gradients reduce-scattered block by block as backward finishes them
+    (with train.grad_accum > 1: after each micro-batch, into a 1/N running sum), and the optimizer update applied
+    to each device's rows. bucket_mb is unused: a block is the unit of every collective."""
+    if len(mesh.axis_names) != 1:
+        raise ValueError(
+            f"strategy='fsdp' splits the state over every device of a 1-D mesh; this mesh has axes "
+            f"{mesh.axis_names}: use strategy='hsdp' on it, or jdp.make_mesh() for fsdp"
+        )
+    return split_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, reduce_dtype, comm_hook,
+                      reshard_after_forward, "fsdp")  # fmt: skip
+
+
+def split_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, reduce_dtype, comm_hook, reshard, name):
+    """fsdp's step on a 1-D mesh, hsdp's on a (`replica`, `shard`) one: the same code, other axes (Axes)."""
+    if comm_hook is not None:
+        raise ValueError(f"a communication hook reduces ddp's buckets; strategy='{name}' has none to hook")
+    n = mesh.devices.size
+    lay = layout(mesh)
+    axes = Axes.of(mesh)
+
+    def step(state: TrainState, batch: Batch):
+        check_batch(batch, n, grad_accum)
+        _check_state(state, mesh, name)
+        expected = lay.shapes(optimizer, state.param_shapes())
+        if [x.shape for x in jax.tree.leaves(state.opt_state)] != [x.shape for x in jax.tree.leaves(expected)]:
+            raise ValueError(
+                f"the optimizer state is not laid out for {name} on this mesh: build it with "
+                f"init_state(model, optimizer, mesh, strategy='{name}') (or move it with relayout)"
+            )
+        abstract = _abstract(graphdef, state.param_shapes(), state.rest)
+        units = Units.of_names(param_names(state.params), mesh, abstract)
+        build = units.model_of(graphdef, state.shapes, reduce_dtype, reshard)
+
+        def forward(loss_fn, params, rest, micro):
+            # Tied to this micro-batch, so that with train.grad_accum > 1 XLA cannot hoist the gathers out of the
+            # accumulation loop (the rows do not change between micro-batches): hoisted, every block would be
+            # gathered at once for the whole loop.
+            if grad_accum > 1:
+                params, _ = jax.lax.optimization_barrier((params, micro))
+            model, restore = build(params, rest)
+            loss, weight = loss_fn(model, micro)
+            restore()
+            return loss, (weight, nnx.split(model, nnx.Param, ...)[2])
+
+        sums = local_sums(graphdef, loss_fn, grad_accum, forward=forward, axes=axes.batch)
+
+        def grads_of(params, rest, step, batch):
+            grads_sum, loss_sum, weight_sum, new_rest = sums(params, rest, batch, step)
+            loss_total, weight = jax.lax.psum(jnp.stack([loss_sum, weight_sum]), axes.batch)
+            # Each device holds the sum over devices of its rows' gradients (the gathers' backward); dividing by
+            # the global token weight gives the gradient of the global token-weighted mean loss, as under ddp.
+            scale = jnp.where(weight > 0, 1.0 / weight, 0.0)
+            return jax.tree.map(lambda g: g * scale, grads_sum), loss_total / weight, weight, new_rest
+
+        specs = _specs(state.params, mesh)
+        sharded = jax.shard_map(
+            grads_of, mesh=mesh, in_specs=(specs, P(), P(), P(axes.batch)), out_specs=(specs, P(), P(), P())
+        )
+        grads, loss, weight, rest = sharded(state.params, state.rest, state.step, batch)
+        params, opt_state, metrics = apply_update(
+            optimizer, schedule, state.step, state.params, state.opt_state, grads, loss, weight
+        )
+        params = jax.lax.with_sharding_constraint(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+        opt_state = jax.lax.with_sharding_constraint(opt_state, lay.shardings(expected, mesh))
+        rest = keep_if(metrics["skipped"] == 0, rest, state.rest)
+        return TrainState(state.step + 1, params, opt_state, rest, None, state.shapes), metrics
+
+    return RefusingDonated(jax.jit(step, donate_argnums=0))
+
+
+def make_eval_step(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh):
+    """step.make_eval_step with the model built from each device's rows, gathered block by block."""
+    from jdp.step import make_eval_step as generic
+
+    def model_of(shapes, params, rest):
+        own = [jax.ShapeDtypeStruct(s, x.dtype) for s, x in zip(shapes, jax.tree.leaves(params), strict=True)]
+        abstract = _abstract(graphdef, jax.tree.unflatten(jax.tree.structure(params), own), rest)
+        units = Units.of_names(param_names(params), mesh, abstract)
+        build = units.model_of(graphdef, shapes, "float32", False)
+        return lambda p, r: build(p, r)[0]
+
+    return generic(graphdef, loss_fn, mesh, model_of=model_of)

@@ -1,0 +1,95 @@
+"""hsdp: hybrid sharding (PyTorch's HSDP, MaxText's `fsdp` inside a slice and `data` across). The devices form
+groups of `parallel.shard_size` (a node's GPUs) on a (`replica`, `shard`) mesh (jdp.make_mesh(shard_size=K)):
+inside each group the state is split as fsdp splits it over all devices, and every group holds a whole copy.
+Each block's rows are all-gathered inside the group (the fast link), its gradients reduce-scattered inside the
+group and the shard then all-reduced across the groups (1/K of the gradient bytes on the slow link). The batch is
+split over every device, in the 1-D mesh's order, so the data order is ddp's and fsdp's on the same devices.
+fsdp's code runs it (strategies/fsdp.py: split_step), with these axes."""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+from jdp.costs import Buckets, Collectives, Memory, Traffic
+from jdp.hooks import CommHook
+from jdp.mesh import REPLICA, SHARD
+from jdp.step import LossFn
+from jdp.strategies import fsdp
+
+__all__ = ["layout", "make_eval_step", "make_train_step", "opt_shardings", "report_units", "state_bytes", "traffic"]
+
+layout = fsdp.layout
+opt_shardings = fsdp.opt_shardings
+make_eval_step = fsdp.make_eval_step
+report_units = fsdp.report_units
+
+
+def _check_mesh(mesh: jax.sharding.Mesh, shard_size: int) -> None:
+    if tuple(mesh.axis_names) != (REPLICA, SHARD):
+        raise ValueError(
+            f"strategy='hsdp' runs on a mesh of groups, axes ('{REPLICA}', '{SHARD}'): build it with "
+            f"jdp.make_mesh(shard_size=K) (this one has axes {tuple(mesh.axis_names)})"
+        )
+    if shard_size and mesh.shape[SHARD] != shard_size:
+        raise ValueError(
+            f"parallel.shard_size={shard_size} but the mesh's groups hold {mesh.shape[SHARD]} devices: build it with "
+            f"jdp.make_mesh(shard_size={shard_size})"
+        )
+
+
+def make_train_step(
+    graphdef,
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    mesh: jax.sharding.Mesh,
+    grad_accum: int = 1,
+    schedule: optax.Schedule | None = None,
+    *,
+    bucket_mb: float = 25.0,
+    reduce_dtype: str = "float32",
+    comm_hook: CommHook | None = None,
+    reshard_after_forward: bool = True,
+    shard_size: int = 0,
+):
+    """fsdp's step inside each group of `shard_size` devices, the gradient shards all-reduced across the groups."""
+    _check_mesh(mesh, shard_size)
+    return fsdp.split_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, reduce_dtype, comm_hook,
+                           reshard_after_forward, "hsdp")  # fmt: skip
+
+
+NODE = 8  # the group the planner assumes when parallel.shard_size is not set: one node of 8 GPUs
+
+
+def _group(n: int, shard_size: int) -> int:
+    """The devices of one group on n devices: shard_size (a node of 8 when unset) where it divides n, else all."""
+    k = shard_size or NODE
+    return k if k <= n and n % k == 0 else n
+
+
+def state_bytes(
+    params, opt_state, optimizer: optax.GradientTransformation, n: int, grad_accum: int,
+    reshard_after_forward: bool = True, shard_size: int = 0,
+) -> Memory:  # fmt: skip
+    """fsdp's bytes with the state split over a group of shard_size devices instead of all n (not set: a node of
+    8, where n allows)."""
+    return fsdp.state_bytes(params, opt_state, optimizer, _group(n, shard_size), grad_accum, reshard_after_forward)
+
+
+def traffic(
+    buckets: Buckets, n: int, grad_accum: int, reshard_after_forward: bool = True, shard_size: int = 0
+) -> Traffic:
+    """fsdp's gathers and reduce-scatters inside each group of shard_size devices (a node: the fast link), and an
+    all-reduce of each reduce-scattered shard (1/K of the gradient bytes) across the n/K groups, over one device of
+    each group (the network), behind backward as the scatters are."""
+    k = _group(n, shard_size)
+    inside = fsdp.traffic(buckets, k, grad_accum, reshard_after_forward)
+    shard = tuple(b // k for b in buckets.grads)
+    across = Collectives(
+        "all-reduce", f"{buckets.reduce_dtype} gradient shards across groups", shard * grad_accum, "backward",
+        devices=n // k, apart=k,
+    )  # fmt: skip
+    group = tuple(
+        Collectives(c.kind, c.what, c.nbytes, c.overlaps, c.calls, devices=k, apart=1) for c in inside.collectives
+    )
+    return Traffic((*group, across), inside.exposed + "; the last all-reduce across groups")
