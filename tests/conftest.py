@@ -88,3 +88,23 @@ def spawn_processes(
 @pytest.fixture
 def spawn():
     return spawn_processes
+
+
+@pytest.fixture(scope="session")
+def reference_runs(tmp_path_factory):
+    """reference_runs(name, extra) -> the run directory of an uninterrupted 8-step `jdp train` run on 1 process x
+    4 devices, checkpointing every 4 steps, with `extra` overrides: made once per session (test_zero1.py and
+    test_fsdp.py continue from the same ddp run; tests copy a reference before changing anything)."""
+    from test_faults import run
+
+    env = {**os.environ, "JDP_CACHE": str(tmp_path_factory.mktemp("reference-cache")), "PYTHONUNBUFFERED": "1"}
+    made: dict = {}
+
+    def get(name: str, extra: list[str]):
+        key = (name, tuple(extra))
+        if key not in made:
+            made[key] = tmp_path_factory.mktemp(f"reference-{name}")
+            run(made[key], env, (1, 4), ["train.steps=8", "train.ckpt_every=4", *extra])
+        return made[key]
+
+    return get

@@ -58,10 +58,10 @@ def own(state):
 
 @pytest.mark.parametrize(
     "n_devices, optim, grad_accum, reshard, cfg",
-    [(1, "adamw", 1, True, CFG), (2, "adamw", 2, True, CFG), (4, "adamw", 1, True, CFG), (4, "sgd", 1, True, CFG),
-     (4, "adamw", 2, True, CFG), (2, "sgd", 2, True, CFG), (4, "adamw", 1, False, CFG), (4, "adamw", 2, True, LLAMA),
+    [(1, "adamw", 1, True, CFG), (2, "adamw", 2, True, CFG), (4, "sgd", 1, True, CFG), (4, "adamw", 2, True, CFG),
+     (2, "sgd", 2, True, CFG), (4, "adamw", 1, False, CFG), (4, "adamw", 2, True, LLAMA),
      (4, "sgd", 1, False, LLAMA)],
-    ids=["1-adamw", "2-adamw-accum2", "4-adamw", "4-sgd", "4-adamw-accum2", "2-sgd-accum2", "4-keep-gathered",
+    ids=["1-adamw", "2-adamw-accum2", "4-sgd", "4-adamw-accum2", "2-sgd-accum2", "4-adamw-keep-gathered",
          "4-llama-accum2", "4-llama-sgd-keep-gathered"],
 )  # fmt: skip
 def test_fsdp_trains_as_ddp(n_devices, optim, grad_accum, reshard, cfg):
@@ -132,14 +132,19 @@ def _temporaries(n_layers, strategy, **options):
 def test_the_compiled_step_holds_about_one_block_gathered_at_a_time():
     """From XLA's memory analysis of the compiled step, per added layer: ddp's temporaries grow by the layer's
     activations and its whole gradient; fsdp's (resharding) by the activations alone, at least one block's
-    parameter bytes less, because no block's gathered parameters or whole gradients outlive the block."""
+    parameter bytes less, because no block's gathered parameters or whole gradients outlive the block (JAX >= 0.11;
+    on 0.10 the gathered parameters stay until backward, and the bound is a quarter block)."""
     (ddp2, block), (ddp4, _) = _temporaries(2, "ddp"), _temporaries(4, "ddp")
     (fsdp2, _), (fsdp4, _) = _temporaries(2, "fsdp"), _temporaries(4, "fsdp")
     per_layer_ddp, per_layer_fsdp = (ddp4 - ddp2) / 2, (fsdp4 - fsdp2) / 2
-    assert per_layer_fsdp <= per_layer_ddp - block, (per_layer_ddp, per_layer_fsdp, block)
-    # Keeping the gathered parameters for backward (ZeRO-2-like) holds more than resharding.
     kept4, _ = _temporaries(4, "fsdp", reshard_after_forward=False)
-    assert kept4 > fsdp4
+    if jax.__version_info__ >= (0, 11):
+        assert per_layer_fsdp <= per_layer_ddp - block, (per_layer_ddp, per_layer_fsdp, block)
+        assert kept4 > fsdp4  # keeping the gathered parameters for backward (ZeRO-2-like) holds more
+    else:  # JAX 0.10's compiled step keeps each block's gathered parameters for backward even when resharding
+        # (measured: 576 kB per layer with and without, docs/performance.md): it holds no whole gradient still
+        assert per_layer_fsdp <= per_layer_ddp - block / 4, (per_layer_ddp, per_layer_fsdp, block)
+        assert kept4 >= fsdp4 - block / 4
 
 
 @pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep-gathered"])
@@ -157,8 +162,10 @@ def test_compiled_fsdp_step_gathers_per_block_and_has_no_gradient_all_reduce(res
     # for the parameters the model holds itself (its positions); each block again for backward when resharding.
     # Both micro-batches run inside the accumulation loop, so the loop's body holds one micro-batch's.
     others = 3
-    assert len(gathers) == others + CFG.n_layers * (2 if reshard else 1)
-    assert sum(c.bytes for c in gathers) == outer + blocks * (2 if reshard else 1)
+    # JAX 0.10's XLA merges a block's backward gather into its forward one, so resharding holds them as keeping does
+    again = 2 if reshard and jax.__version_info__ >= (0, 11) else 1
+    assert len(gathers) == others + CFG.n_layers * again
+    assert sum(c.bytes for c in gathers) == outer + blocks * again
     assert len(scatters) == others + CFG.n_layers and sum(c.bytes for c in scatters) == sum(padded.values())
     assert all(c.in_loop for c in gathers + scatters)  # reduce-scattered per micro-batch into a 1/N sum
     # No gradient all-reduce: only scalars (loss and token count, the gradient norm's partial sums).
@@ -348,14 +355,11 @@ def env(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(env, tmp_path_factory):
+def runs(reference_runs):
     """Uninterrupted 8-step runs on 1 process x 4 devices, checkpointing every 4 steps: fsdp, ddp and hsdp (2 groups
     of 2)."""
-    out = {}
-    for name, extra in (("fsdp", FSDP), ("ddp", ["parallel.strategy=ddp"]), ("hsdp", HSDP)):
-        out[name] = tmp_path_factory.mktemp(f"reference-{name}")
-        run(out[name], env, (1, 4), ["train.steps=8", "train.ckpt_every=4", *extra])
-    return out
+    strategies = (("fsdp", FSDP), ("ddp", ["parallel.strategy=ddp"]), ("hsdp", HSDP))
+    return {name: reference_runs(name, extra) for name, extra in strategies}
 
 
 @pytest.mark.slow
@@ -368,9 +372,9 @@ def test_fsdp_hsdp_and_ddp_runs_agree_step_by_step(runs):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "written_by, layout, strategy",
-    [("fsdp", (1, 4), "ddp"), ("ddp", (1, 4), "fsdp"), ("fsdp", (1, 2), "fsdp"), ("fsdp", (1, 4), "zero1"),
-     ("fsdp", (2, 1), "fsdp"), ("hsdp", (1, 4), "fsdp")],
-    ids=["fsdp-to-ddp", "ddp-to-fsdp", "fsdp-x4-to-x2", "fsdp-to-zero1", "fsdp-x4-to-2-processes", "hsdp-to-fsdp"],
+    [("fsdp", (1, 4), "ddp"), ("ddp", (1, 4), "fsdp"), ("fsdp", (1, 4), "zero1"), ("fsdp", (2, 1), "fsdp"),
+     ("hsdp", (1, 4), "fsdp")],
+    ids=["fsdp-to-ddp", "ddp-to-fsdp", "fsdp-to-zero1", "fsdp-x4-to-2-processes-x1", "hsdp-to-fsdp"],
 )  # fmt: skip
 def test_checkpoint_continues_under_another_strategy_or_device_count(runs, env, tmp_path, written_by, layout, strategy):
     d = tmp_path / "run"
@@ -402,17 +406,19 @@ def test_generate_and_export_read_an_fsdp_checkpoint(runs):
 
 
 @pytest.mark.slow
-def test_fsdp_and_hsdp_on_two_processes_match_ddp(env, tmp_path):
+def test_fsdp_hsdp_and_zero1_on_two_processes_match_ddp(env, tmp_path):
     """2 processes x 2 devices, AdamW with clipping and micro-batches: the same loss and gradient norm every step,
-    and the same final parameters; hsdp with each process's 2 devices a group (a "node")."""
+    and the same final parameters; hsdp with each process's 2 devices a group (a "node"). (SGD's momentum and each
+    grad_accum are compared in-process.)"""
     got = {}
-    for name, extra in (("ddp", ["parallel.strategy=ddp"]), ("fsdp", FSDP), ("hsdp", HSDP)):
+    zero1 = ["parallel.strategy=zero1", "parallel.bucket_mb=0.05", "optim.momentum=0.9"]
+    for name, extra in (("ddp", ["parallel.strategy=ddp"]), ("fsdp", FSDP), ("hsdp", HSDP), ("zero1", zero1)):
         d = tmp_path / name
         run(d, env, (2, 2), ["train.steps=4", "train.grad_accum=2", *extra])
         norms = {r["step"]: r["grad_norm"] for r in metrics(d) if "grad_norm" in r}
         got[name] = (losses(d), norms, summary(d)["params_fingerprint"])
     loss_d, norm_d, params_d = got["ddp"]
-    for name in ("fsdp", "hsdp"):
+    for name in ("fsdp", "hsdp", "zero1"):
         loss_f, norm_f, params_f = got[name]
         assert len(loss_d) == 4 and close(loss_d, loss_f) and len(norm_d) == 4 and close(norm_d, norm_f), name
         assert params_d.keys() == params_f.keys()

@@ -124,28 +124,27 @@ def _gather(shards: list, shapes: list, axes: Axes) -> list:
             x, width = shards[k], shards[k].size
             out[k] = every[:, offset : offset + width].reshape(n * x.shape[0], *x.shape[1:])[: shapes[k][0]]
             offset += width
-    if axes.replica and hasattr(jax.lax, "pcast"):
-        # Typed as differing between the groups from here on, so that autodiff adds no all-reduce of the whole
-        # gradient across groups: the backward sums the reduce-scattered shard across them instead (_scatter).
-        out = [jax.lax.pcast(x, axes.replica, to="varying") for x in out]
     return out
 
 
+def _per_device(x, axes: Axes):
+    """x typed as differing between every device of the batch, whether it already was (in part) or not."""
+    if not hasattr(jax.lax, "pcast"):
+        return x
+    differs = jax.lax.pcast(jnp.bool_(True), axes.batch, to="varying")
+    return jax.lax.select(jnp.broadcast_to(differs, x.shape), x, x)
+
+
 def _scatter(grads: list, axes: Axes, reduce_dtype: str, dtypes: list) -> list:
-    """Every leaf's gradient on this device -> the sum over devices of this device's rows: one reduce-scatter
-    (hsdp: inside the group, then one all-reduce of the shard across the groups)."""
+    """Every leaf's gradient on this device -> the sum over the group's devices of this device's rows: one
+    reduce-scatter (fsdp: the group is every device; hsdp: autodiff then sums the shard across the groups)."""
     n = axes.n
-    differs = jax.lax.pcast(jnp.bool_(True), axes.batch, to="varying") if hasattr(jax.lax, "pcast") else None
     rows = []
     for g in grads:
-        g = g.astype(reduce_dtype)
-        if differs is not None:  # a gradient that no row changed is typed as the same everywhere: make it per device
-            g = jax.lax.select(jnp.broadcast_to(differs, g.shape), g, g)
+        g = _per_device(g.astype(reduce_dtype), axes)  # a gradient no row changed is typed as the same everywhere
         r = _leaf_rows(g.shape, n)
         rows.append(jnp.pad(g, [(0, n * r - g.shape[0])] + [(0, 0)] * (g.ndim - 1)).reshape(n, -1))
     mine = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1), axes.shard, scatter_dimension=0, tiled=True)[0]
-    if axes.replica:
-        mine = jax.lax.psum(mine, axes.replica)
     out, offset = [], 0
     for g, row, dtype in zip(grads, rows, dtypes, strict=True):
         width = row.shape[1]
@@ -168,7 +167,15 @@ def _gatherer(shapes: tuple, dtypes: tuple, axes: Axes, reduce_dtype: str):
         return (tuple(_scatter(list(grads), axes, reduce_dtype, list(dtypes))),)
 
     gather.defvjp(fwd, bwd)
-    return gather
+
+    def gathered(shards):
+        # The rows enter typed as differing between every device: under hsdp they are the same in every group, and
+        # autodiff sums their cotangent across the groups as it leaves this cast, on the reduce-scattered shard
+        # (1/K of the gradient), which is hsdp's all-reduce across groups. (Cast after the gather instead, it
+        # would sum the whole gradient there, K times the bytes.)
+        return gather(tuple(_per_device(x, axes) for x in shards))
+
+    return gathered
 
 
 _BLOCK = re.compile(r"^(.+?)\.(\d+)\.")
