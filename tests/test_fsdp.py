@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 from test_faults import killed_at_save_then_resumed, losses, run, summary
 from test_parallel import params_close
+from test_trainer import data, mse  # the library trainer's regression task
 from test_zero1 import CFG, close, make_batch, optimizer
 
 import jdp
@@ -284,17 +285,6 @@ class Stack(nnx.Module):
         for layer in self.layers if self.layers is not None else [self.mid]:
             x = x + nnx.gelu(layer(x))
         return self.out(x)[:, 0]
-
-
-def mse(model, batch):
-    err = model(batch["x"]) - batch["y"]
-    return jnp.sum(err * err), jnp.float32(err.shape[0])
-
-
-def data(n: int, seed: int) -> dict:
-    rng = np.random.default_rng(seed)
-    x = rng.uniform(-1, 1, (n, 2)).astype(np.float32)
-    return {"x": x, "y": (np.sin(3 * x[:, 0]) + x[:, 1] ** 2).astype(np.float32)}
 
 
 def fit(run_dir, blocks, *extra):
