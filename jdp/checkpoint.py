@@ -48,8 +48,8 @@ RESUMABLE_CHANGES = {
     "parallel.init_timeout_s", "parallel.heartbeat_timeout_s", "parallel.coordinator_bind", "train.callbacks",
     # How gradients travel changes rounding, not the state: a run may resume with another strategy or bucketing,
     # or switch gradient compression on or off (the hook's state starts afresh when it is not the saved one's).
-    "parallel.strategy", "parallel.reshard_after_forward", "parallel.shard_size", "parallel.bucket_mb",
-    "parallel.reduce_dtype",
+    "parallel.strategy", "parallel.reshard_after_forward", "parallel.accumulate_unsharded", "parallel.shard_size",
+    "parallel.bucket_mb", "parallel.reduce_dtype",
     "parallel.compression",
     "parallel.powersgd_rank", "parallel.powersgd_warmup", "parallel.powersgd_error_feedback",
     "parallel.powersgd_min_ratio", "parallel.powersgd_uncompressed",

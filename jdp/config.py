@@ -160,6 +160,10 @@ class ParallelConfig:
     # fsdp: drop a block's gathered parameters after its forward and gather them again for backward (ZeRO-3, FSDP2's
     # default); false keeps them until backward: one more all-gather saved, one model's parameters more held
     reshard_after_forward: bool = True
+    # fsdp/hsdp with train.grad_accum > 1: keep the micro-batches' gradients whole on each device and reduce-scatter
+    # them once per step (FSDP2's set_requires_gradient_sync(False)): 1/grad_accum of the scatters, a whole
+    # model's gradients more held; false (the default) reduce-scatters each micro-batch's into a 1/N running sum
+    accumulate_unsharded: bool = False
     # hsdp: the devices of one group (a node's GPUs); the state is split inside each group, groups are replicas
     shard_size: int = 0
     bucket_mb: float = 25.0  # gradient all-reduce bucket size in MiB (DDP's bucket_cap_mb); 0: one bucket

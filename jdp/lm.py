@@ -73,7 +73,7 @@ class LanguageModel(Trainer):
 
     def model_factory(self):
         if self.cfg.train.init_from:
-            return None  # an import reads its tensors whole (docs/performance.md: FSDP)
+            return None  # an import's host tensors are placed row by row (OptLayout.place)
         return lambda: make_model(self.cfg.model, nnx.Rngs(self.cfg.train.seed))
 
     def describe_model(self, n_params: int, peak: float, peak_source: str) -> str:

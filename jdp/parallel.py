@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -133,7 +134,7 @@ def _with_optimizer(params, rest, optimizer, mesh, strategy: str, comm_hook, own
     shapes = layout.shapes(optimizer, params)
     init = lambda p: optimizer.init(layout.view(p))  # noqa: E731
     opt_state = jax.jit(init, out_shardings=steps.opt_shardings(shapes, mesh))(params)
-    step = jax.device_put(jnp.zeros((), jnp.int32), replicated(mesh))
+    step = jax.device_put(np.zeros((), np.int32), replicated(mesh))
     return TrainState(step, params, opt_state, rest, init_comm(comm_hook, params, mesh), own)
 
 

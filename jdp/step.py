@@ -211,6 +211,10 @@ class OptLayout:
         if not self.rows:
             return replicate(params, mesh)
         shardings = self.shardings(jax.eval_shape(self.view, _shapes(params)), mesh)
+        if all(isinstance(x, np.ndarray) for x in jax.tree.leaves(params)):
+            # Host values (an import read from files): each device receives its rows straight from the host array,
+            # so no device ever holds a tensor whole (jit would first put each one whole on the default device).
+            return jax.tree.map(lambda x, s: _rows_from_host(x, self.shape(x), s), params, shardings)
         return jax.jit(self.view, out_shardings=shardings)(params)
 
     def check(self, optimizer: optax.GradientTransformation, params) -> None:
@@ -238,6 +242,25 @@ class OptLayout:
                 f"strategy='{name}' splits the optimizer state elementwise (as AdamW, SGD, Lion keep it), but this "
                 f"optimizer's state depends on the parameters' shapes: {'; '.join(odd[:3])}. Use strategy='ddp'"
             )
+
+
+def _rows_from_host(x: np.ndarray, padded: tuple, sharding) -> jax.Array:
+    """A host array placed as `sharding` lays out its zero-padded shape `padded`: each of this process's devices
+    gets the rows it holds (the padding made as zeros, only for the device whose rows it falls in)."""
+
+    def rows(index):
+        if not x.ndim:
+            return x
+        start, stop, _ = index[0].indices(padded[0])
+        part = x[(slice(start, min(stop, x.shape[0])), *index[1:])]
+        if stop > x.shape[0]:
+            part = np.concatenate([part, np.zeros((stop - max(start, x.shape[0]), *part.shape[1:]), x.dtype)])
+        return part
+
+    where = sharding.addressable_devices_indices_map(padded)
+    return jax.make_array_from_single_device_arrays(
+        padded, sharding, [jax.device_put(rows(index), device) for device, index in where.items()]
+    )
 
 
 def _shapes(tree):

@@ -40,8 +40,11 @@ def setup(n_devices, strategy, optim="adamw", grad_accum=1, cfg=CFG, **options):
 
 
 @functools.cache
-def train(n_devices, strategy, optim="adamw", grad_accum=1, cfg=CFG, steps=4, reshard=True, shard_size=2):
-    options = {"reshard_after_forward": reshard} if strategy in ("fsdp", "hsdp") else {}
+def train(n_devices, strategy, optim="adamw", grad_accum=1, cfg=CFG, steps=4, reshard=True, shard_size=2,
+          unsharded=False):  # fmt: skip
+    options = (
+        {"reshard_after_forward": reshard, "accumulate_unsharded": unsharded} if strategy in ("fsdp", "hsdp") else {}
+    )
     if strategy == "hsdp":
         options["shard_size"] = shard_size
     mesh, state, step = setup(n_devices, strategy, optim, grad_accum, cfg, **options)
@@ -58,28 +61,29 @@ def own(state):
 
 
 @pytest.mark.parametrize(
-    "n_devices, optim, grad_accum, reshard, cfg",
-    [(1, "adamw", 1, True, CFG), (2, "adamw", 2, True, CFG), (4, "sgd", 1, True, CFG), (4, "adamw", 2, True, CFG),
-     (2, "sgd", 2, True, CFG), (4, "adamw", 1, False, CFG), (4, "adamw", 2, True, LLAMA),
-     (4, "sgd", 1, False, LLAMA)],
+    "n_devices, optim, grad_accum, reshard, cfg, unsharded",
+    [(1, "adamw", 1, True, CFG, False), (2, "adamw", 2, True, CFG, False), (4, "sgd", 1, True, CFG, False),
+     (4, "adamw", 2, True, CFG, False), (2, "sgd", 2, True, CFG, False), (4, "adamw", 1, False, CFG, False),
+     (4, "adamw", 2, True, LLAMA, False), (4, "sgd", 1, False, LLAMA, False), (4, "adamw", 2, True, CFG, True)],
     ids=["1-adamw", "2-adamw-accum2", "4-sgd", "4-adamw-accum2", "2-sgd-accum2", "4-adamw-keep-gathered",
-         "4-llama-accum2", "4-llama-sgd-keep-gathered"],
+         "4-llama-accum2", "4-llama-sgd-keep-gathered", "4-adamw-accum2-unsharded"],
 )  # fmt: skip
-def test_fsdp_trains_as_ddp(n_devices, optim, grad_accum, reshard, cfg):
+def test_fsdp_trains_as_ddp(n_devices, optim, grad_accum, reshard, cfg, unsharded):
     ddp, ddp_hist = train(n_devices, "ddp", optim, grad_accum, cfg)
-    fsdp, fsdp_hist = train(n_devices, "fsdp", optim, grad_accum, cfg, reshard=reshard)
+    fsdp, fsdp_hist = train(n_devices, "fsdp", optim, grad_accum, cfg, reshard=reshard, unsharded=unsharded)
     same_training(ddp, ddp_hist, fsdp, fsdp_hist, n_devices, optim)
 
 
 @pytest.mark.parametrize(
-    "optim, grad_accum, reshard, cfg",
-    [("adamw", 1, True, CFG), ("sgd", 2, True, CFG), ("adamw", 2, False, LLAMA)],
-    ids=["adamw", "sgd-accum2", "llama-accum2-keep-gathered"],
-)
-def test_hsdp_in_groups_of_two_trains_as_ddp(optim, grad_accum, reshard, cfg):
+    "optim, grad_accum, reshard, cfg, unsharded",
+    [("adamw", 1, True, CFG, False), ("sgd", 2, True, CFG, False), ("adamw", 2, False, LLAMA, False),
+     ("sgd", 2, True, CFG, True)],
+    ids=["adamw", "sgd-accum2", "llama-accum2-keep-gathered", "sgd-accum2-unsharded"],
+)  # fmt: skip
+def test_hsdp_in_groups_of_two_trains_as_ddp(optim, grad_accum, reshard, cfg, unsharded):
     """4 devices as 2 groups of 2: the state split inside each group, the groups replicas of each other."""
     ddp, ddp_hist = train(4, "ddp", optim, grad_accum, cfg)
-    hsdp, hsdp_hist = train(4, "hsdp", optim, grad_accum, cfg, reshard=reshard, shard_size=2)
+    hsdp, hsdp_hist = train(4, "hsdp", optim, grad_accum, cfg, reshard=reshard, shard_size=2, unsharded=unsharded)
     assert jax.tree.leaves(hsdp.params)[0].sharding.mesh.shape == {"replica": 2, "shard": 2}
     same_training(ddp, ddp_hist, hsdp, hsdp_hist, 2, optim)
 
@@ -148,10 +152,12 @@ def test_the_compiled_step_holds_about_one_block_gathered_at_a_time():
         assert kept4 >= fsdp4 - block / 4
 
 
-@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep-gathered"])
-def test_compiled_fsdp_step_gathers_per_block_and_has_no_gradient_all_reduce(reshard):
+@pytest.mark.parametrize(
+    "reshard, unsharded", [(True, False), (False, False), (True, True)], ids=["reshard", "keep-gathered", "unsharded"]
+)
+def test_compiled_fsdp_step_gathers_per_block_and_has_no_gradient_all_reduce(reshard, unsharded):
     n = 4
-    mesh, state, step = setup(n, "fsdp", grad_accum=2, reshard_after_forward=reshard)
+    mesh, state, step = setup(n, "fsdp", grad_accum=2, reshard_after_forward=reshard, accumulate_unsharded=unsharded)
     found = collectives(compiled_text(step, state, parallel.shard_batch(make_batch(0), mesh)))
     padded = {k: 4 * math.prod(x.shape) for k, x in enumerate(jax.tree.leaves(state.params))}
     names = parallel.param_names(state.params)
@@ -168,7 +174,9 @@ def test_compiled_fsdp_step_gathers_per_block_and_has_no_gradient_all_reduce(res
     assert len(gathers) == others + CFG.n_layers * again
     assert sum(c.bytes for c in gathers) == outer + blocks * again
     assert len(scatters) == others + CFG.n_layers and sum(c.bytes for c in scatters) == sum(padded.values())
-    assert all(c.in_loop for c in gathers + scatters)  # reduce-scattered per micro-batch into a 1/N sum
+    assert all(c.in_loop for c in gathers)
+    # reduce-scattered per micro-batch into a 1/N sum, or (accumulate_unsharded) summed whole and scattered once
+    assert all(c.in_loop != unsharded for c in scatters)
     # No gradient all-reduce: only scalars (loss and token count, the gradient norm's partial sums).
     for c in found:
         if c.kind == "all-reduce":
@@ -414,3 +422,68 @@ def test_fsdp_hsdp_and_zero1_on_two_processes_match_ddp(env, tmp_path):
         assert params_d.keys() == params_f.keys()
         for key, a in params_d.items():
             assert np.allclose(a, params_f[key], rtol=1e-5, atol=1e-6), (name, key)
+
+
+def test_an_hf_import_under_fsdp_places_each_devices_rows_straight_from_the_host():
+    """An import's tensors are host arrays read from the files: under fsdp each device receives its own rows of each
+    one (an explicit transfer per shard), never the whole tensor first (jit would move it whole, implicitly, onto
+    the default device: the guard below refuses that)."""
+    from test_hf import imported
+
+    model, _ = imported()
+    host = [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+    assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    mesh = parallel.make_mesh(jax.devices()[:4])
+    with jax.transfer_guard_host_to_device("disallow"):
+        _, state = parallel.init_state(model, optax.adamw(1e-3), mesh, "fsdp")
+    for x, want, shape in zip(jax.tree.leaves(state.params), host, state.shapes, strict=True):
+        rows = -(-shape[0] // 4)
+        assert [s.data.shape[0] for s in x.addressable_shards] == [rows] * 4
+        np.testing.assert_array_equal(np.asarray(x)[: shape[0]], want)
+        assert not np.any(np.asarray(x)[shape[0] :])
+
+
+def test_accumulating_unsharded_plans_whole_gradients_and_one_scatter_a_step():
+    from jdp.costs import Buckets
+    from jdp.strategies import fsdp, hsdp
+
+    params = {"w": jax.ShapeDtypeStruct((10, 8), jnp.float32), "b": jax.ShapeDtypeStruct((6,), jnp.float32)}
+    whole, rows = 4 * (80 + 6), 4 * (12 * 8 + 8) // 4  # bytes: every gradient whole; one device's padded rows
+    sharded = fsdp.state_bytes(params, None, optax.adamw(1e-3), 4, 2)
+    unsharded = fsdp.state_bytes(params, None, optax.adamw(1e-3), 4, 2, accumulate_unsharded=True)
+    assert (sharded.accumulator, unsharded.accumulator) == (rows, whole)
+    buckets = Buckets((whole,), (whole,), "float32")
+    for module, extra in ((fsdp, {}), (hsdp, {"shard_size": 2})):
+        for once in (False, True):
+            traffic = module.traffic(buckets, 4, 2, accumulate_unsharded=once, **extra)
+            reductions = [c for c in traffic.collectives if c.kind in ("reduce-scatter", "all-reduce")]
+            assert all(len(c.nbytes) == (1 if once else 2) for c in reductions), (module, once, reductions)
+            assert all((c.overlaps == "") == once for c in reductions)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "hsdp"])
+def test_jdp_allreduce_lists_each_units_gathers_and_scatters_adding_up_to_the_parameters(strategy):
+    """`jdp allreduce` on 4 devices (hsdp: 2 groups of 2): one reduce-scatter per unit (the 2 blocks, the embedding,
+    the final norm, the positions) carrying the padded gradient bytes once, all-gathers carrying the parameters
+    once for the forward and the blocks once more for backward (resharding; JAX 0.10 merges that one), and under
+    hsdp the gradient shards all-reduced across the groups: half the padded bytes."""
+    from jdp.config import load_config
+    from jdp.hlo import all_reduce_report
+
+    extra = ["parallel.shard_size=2"] if strategy == "hsdp" else []
+    small = ["model.n_layers=2", "model.d_model=64", "model.n_heads=2", "train.batch_size=8", "data.seq_len=32"]
+    cfg = load_config("tiny", [*small, f"parallel.strategy={strategy}", *extra])
+    text, numbers = all_reduce_report(cfg)
+    padded = numbers["padded_parameter_bytes"]
+    assert numbers["gradient_collective"] == "reduce-scatter" and numbers["gradient_reduce_scatters"] == 5
+    assert numbers["gradient_bytes_total"] == padded, text
+    shards = 2 if strategy == "hsdp" else 4
+    model = nnx.eval_shape(lambda: GPT(cfg.model, nnx.Rngs(0)))
+    blocks = sum(4 * -(-x.shape[0] // shards) * shards * math.prod(x.shape[1:])
+                 for x in jax.tree.leaves(nnx.state(model.blocks, nnx.Param)))  # fmt: skip
+    again = blocks if jax.__version_info__ >= (0, 11) else 0
+    assert numbers["parameter_all_gathers"] == 5 + (2 if again else 0)
+    assert numbers["parameter_gather_bytes_total"] == padded + again, text
+    across = [b for b in numbers["other_bytes"] if b > 64]
+    assert sum(across) == (padded // 2 if strategy == "hsdp" else 0), text
+    assert "reduce-scatter" in text and "all-gather" in text

@@ -91,19 +91,23 @@ def test_per_device_batchnorm_and_dropout_train_with_identical_replicas(strategy
     )
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
-def test_a_skipped_step_leaves_the_statistics_as_they_were(strategy):
-    mesh = mesh_of(4)
-    optimizer = optax.sgd(0.05)
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp", "hsdp"])
+def test_a_skipped_step_leaves_the_statistics_and_parameters_as_they_were(strategy):
+    """A NaN in one device's rows: the step is skipped on every device (parameters, optimizer state and
+    statistics unchanged; under fsdp and hsdp each device's rows), and the next finite step trains."""
+    mesh = parallel.make_mesh(jax.devices()[:4], shard_size=2 if strategy == "hsdp" else 0)
+    optimizer = optax.sgd(0.05, momentum=0.9)
     graphdef, state = parallel.init_state(MLP(False, nnx.Rngs(0)), optimizer, mesh, strategy)
     step = parallel.make_train_step(graphdef, loss_fn, optimizer, mesh, strategy=strategy)
     state, _ = step(state, parallel.shard_batch(make_batch(0), mesh))
-    before = jax.device_get(state.rest["norm"])
+    before = jax.device_get((state.rest["norm"], state.params, state.opt_state))
     bad = make_batch(1)
     bad["x"][5] = np.nan  # one device's statistics (and the loss) become NaN
     state, metrics = step(state, parallel.shard_batch(bad, mesh))
     assert int(metrics["skipped"]) == 1
-    assert rel_diff(before, state.rest["norm"]) == 0
+    assert rel_diff(before, (state.rest["norm"], state.params, state.opt_state)) == 0
+    state, metrics = step(state, parallel.shard_batch(make_batch(2), mesh))
+    assert int(metrics["skipped"]) == 0 and rel_diff(before[1], state.params) > 0
 
 
 @pytest.mark.parametrize("strategy, grad_accum", [("ddp", 1), ("zero1", 1), ("ddp", 2)])

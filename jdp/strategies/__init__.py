@@ -124,7 +124,7 @@ REGISTRY: dict[str, Strategy] = {
             gathers_parameters=True,
             combine_cpu_all_reduces=True,
             saves="each device keeps 1/{n} of the parameters, gradients and optimizer state",
-            options=("reshard_after_forward",),
+            options=("reshard_after_forward", "accumulate_unsharded"),
         ),
         Strategy(
             "hsdp",
@@ -136,7 +136,7 @@ REGISTRY: dict[str, Strategy] = {
             gathers_parameters=True,
             combine_cpu_all_reduces=True,
             saves="each device keeps 1/parallel.shard_size of the parameters, gradients and optimizer state",
-            options=("reshard_after_forward", "shard_size"),
+            options=("reshard_after_forward", "accumulate_unsharded", "shard_size"),
             groups=True,
         ),
         Strategy(

@@ -47,29 +47,37 @@ def opt_shardings(shapes, mesh: jax.sharding.Mesh):
 
 def state_bytes(
     params, opt_state, optimizer: optax.GradientTransformation, n: int, grad_accum: int,
-    reshard_after_forward: bool = True, **_,
+    reshard_after_forward: bool = True, accumulate_unsharded: bool = False, **_,
 ) -> Memory:  # fmt: skip
     """1/n of the (padded) parameters, their gradients and optimizer state, plus the largest unit's parameters and
     gradients gathered whole (one block at a time; two with prefetch, which XLA's scheduler may do); without
-    resharding every block's gathered parameters stay until backward."""
+    resharding every block's gathered parameters stay until backward; accumulating unsharded (grad_accum > 1), the
+    running sum is every gradient whole."""
     lay = OptLayout(n, rows=True)
     padded = jax.tree.map(lambda x: jax.ShapeDtypeStruct(lay.shape(x), x.dtype), params)
     p = tree_bytes(padded) // n
     opt = tree_bytes(lay.shapes(optimizer, params)) // n
     unit = max(Units.of_names(param_names(params)).unit_bytes(params), default=0)
     gathered = 2 * unit if reshard_after_forward else tree_bytes(params)
-    return Memory(p + gathered, p + unit, p if grad_accum > 1 else 0, opt, opt_note=f"this device's 1/{n}")
+    accumulator = (tree_bytes(params) if accumulate_unsharded else p) if grad_accum > 1 else 0
+    return Memory(p + gathered, p + unit, accumulator, opt, opt_note=f"this device's 1/{n}")
 
 
-def traffic(buckets: Buckets, n: int, grad_accum: int, reshard_after_forward: bool = True, **_) -> Traffic:
+def traffic(
+    buckets: Buckets, n: int, grad_accum: int, reshard_after_forward: bool = True, accumulate_unsharded=False, **_
+) -> Traffic:  # fmt: skip
     """Three parameter-sized transfers a step where ddp has two: the forward's all-gathers, the backward's
     all-gathers again (reshard_after_forward) and the gradients' reduce-scatters, each per block, each hidden behind
-    the compute of the block before it except the first gather and the last scatter."""
-    per_step = grad_accum
-    gather = Collectives("all-gather", "parameters (forward)", buckets.params * per_step, "forward")
-    regather = Collectives("all-gather", "parameters (backward)", buckets.params * per_step, "backward")
-    scatter = Collectives("reduce-scatter", f"{buckets.reduce_dtype} gradients", buckets.grads * per_step, "backward")
+    the compute of the block before it except the first gather and the last scatter. Gathers run every micro-batch;
+    so do the scatters, except accumulating unsharded (once a step, after the last micro-batch: all exposed)."""
+    once = accumulate_unsharded and grad_accum > 1
+    gather = Collectives("all-gather", "parameters (forward)", buckets.params * grad_accum, "forward")
+    regather = Collectives("all-gather", "parameters (backward)", buckets.params * grad_accum, "backward")
+    scatter = Collectives("reduce-scatter", f"{buckets.reduce_dtype} gradients",
+                          buckets.grads * (1 if once else grad_accum), "" if once else "backward")  # fmt: skip
     exposed = "the first block's gather and the last block's reduce-scatter; the rest runs behind compute"
+    if once:
+        exposed = "the first block's gather and every reduce-scatter (once a step, after the last micro-batch)"
     return Traffic((gather, regather, scatter) if reshard_after_forward else (gather, scatter), exposed)
 
 
@@ -168,12 +176,17 @@ def _gatherer(shapes: tuple, dtypes: tuple, axes: Axes, reduce_dtype: str):
 
     gather.defvjp(fwd, bwd)
 
-    def gathered(shards):
+    def gathered(shards, sinks=None):
         # The rows enter typed as differing between every device: under hsdp they are the same in every group, and
         # autodiff sums their cotangent across the groups as it leaves this cast, on the reduce-scattered shard
         # (1/K of the gradient), which is hsdp's all-reduce across groups. (Cast after the gather instead, it
         # would sum the whole gradient there, K times the bytes.)
-        return gather(tuple(_per_device(x, axes) for x in shards))
+        if sinks is None:
+            return gather(tuple(_per_device(x, axes) for x in shards))
+        # accumulate_unsharded: the rows are not differentiated; each whole leaf gets a zero "sink" added, whose
+        # gradient is the leaf's whole, unreduced gradient on this device (reduce-scattered once per step).
+        whole = _gather([jax.lax.stop_gradient(x) for x in shards], list(shapes), axes)
+        return tuple(w + s for w, s in zip(whole, sinks, strict=True))
 
     return gathered
 
@@ -217,14 +230,29 @@ class Units:
         leaves = jax.tree.leaves(params)
         return [tree_bytes([leaves[k] for k in unit]) for unit in self.all()]
 
+    def scatter(self, whole: list, dtypes: list, reduce_dtype: str) -> list:
+        """Whole gradients on this device (flat, in the parameters' order) -> this device's rows of their sum over
+        the devices: one reduce-scatter per unit (hsdp: inside the group, then the shard summed across groups)."""
+        out = [None] * len(whole)
+        for ks in self.all():
+            rows = _scatter([whole[k] for k in ks], self.axes, reduce_dtype, [dtypes[k] for k in ks])
+            for k, x in zip(ks, rows, strict=True):
+                out[k] = jax.lax.psum(x, self.axes.replica) if self.axes.replica else x
+        return out
+
     def model_of(self, graphdef, shapes: tuple, reduce_dtype: str, reshard: bool):
         """(this device's rows, rest) -> (the model, whose units gather their parameters when used, and a function
         that puts the model's own modules back)."""
 
-        def gatherer(leaves, ks):
-            return _gatherer(tuple(shapes[k] for k in ks), tuple(leaves[k].dtype for k in ks), self.axes, reduce_dtype)
+        def build(params, rest, sinks=None):
+            """sinks: zeros shaped as each whole leaf (flat, in the parameters' order), whose gradients are then
+            the whole gradients (accumulate_unsharded); None: the gradients are the rows' (reduce-scattered)."""
 
-        def build(params, rest):
+            def gatherer(leaves, ks):
+                gather = _gatherer(tuple(shapes[k] for k in ks), tuple(leaves[k].dtype for k in ks), self.axes,
+                                   reduce_dtype)  # fmt: skip
+                return gather if sinks is None else lambda shards: gather(shards, tuple(sinks[k] for k in ks))
+
             leaves, tree = jax.tree.flatten(params)
             whole = list(leaves)
             if self.outer:
@@ -342,21 +370,25 @@ def make_train_step(
     reduce_dtype: str = "float32",
     comm_hook: CommHook | None = None,
     reshard_after_forward: bool = True,
+    accumulate_unsharded: bool = False,
 ):
     """The fsdp step: each device's rows of every parameter gathered block by block in forward (and again in
     backward with reshard_after_forward), the gradients reduce-scattered block by block as backward finishes them
-    (with train.grad_accum > 1: after each micro-batch, into a 1/N running sum), and the optimizer update applied
-    to each device's rows. bucket_mb is unused: a block is the unit of every collective."""
+    (with train.grad_accum > 1: after each micro-batch, into a 1/N running sum; accumulate_unsharded: summed whole
+    over the micro-batches and reduce-scattered once, unit by unit, after the last), and the optimizer update
+    applied to each device's rows. bucket_mb is unused: a block is the unit of every collective."""
     if len(mesh.axis_names) != 1:
         raise ValueError(
             f"strategy='fsdp' splits the state over every device of a 1-D mesh; this mesh has axes "
             f"{mesh.axis_names}: use strategy='hsdp' on it, or jdp.make_mesh() for fsdp"
         )
     return split_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, reduce_dtype, comm_hook,
-                      reshard_after_forward, "fsdp")  # fmt: skip
+                      reshard_after_forward, "fsdp", accumulate_unsharded)  # fmt: skip
 
 
-def split_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, reduce_dtype, comm_hook, reshard, name):
+def split_step(
+    graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, reduce_dtype, comm_hook, reshard, name, unsharded=False
+):  # fmt: skip
     """fsdp's step on a 1-D mesh, hsdp's on a (`replica`, `shard`) one: the same code, other axes (Axes)."""
     if comm_hook is not None:
         raise ValueError(f"a communication hook reduces ddp's buckets; strategy='{name}' has none to hook")
@@ -377,21 +409,37 @@ def split_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, reduce_
         units = Units.of_names(param_names(state.params), mesh, abstract)
         build = units.model_of(graphdef, state.shapes, reduce_dtype, reshard)
 
-        def forward(loss_fn, params, rest, micro):
+        def forward(loss_fn, params, rest, micro, sinks=None):
             # Tied to this micro-batch, so that with train.grad_accum > 1 XLA cannot hoist the gathers out of the
             # accumulation loop (the rows do not change between micro-batches): hoisted, every block would be
             # gathered at once for the whole loop.
             if grad_accum > 1:
                 params, _ = jax.lax.optimization_barrier((params, micro))
-            model, restore = build(params, rest)
+            model, restore = build(params, rest, sinks)
             loss, weight = loss_fn(model, micro)
             restore()
             return loss, (weight, nnx.split(model, nnx.Param, ...)[2])
 
         sums = local_sums(graphdef, loss_fn, grad_accum, forward=forward, axes=axes.batch)
 
+        def unsharded_sums(params, rest, batch, step):
+            """The micro-batches' gradients summed whole on this device (differentiating zeros added to each
+            gathered leaf), then reduce-scattered once, unit by unit."""
+            leaves, tree = jax.tree.flatten(params)
+            sinks = [_per_device(jnp.zeros(s, x.dtype), axes) for x, s in zip(leaves, state.shapes, strict=True)]
+
+            def sunk(loss_fn, sinks, rest, micro):
+                return forward(loss_fn, params, rest, micro, sinks)
+
+            whole, loss_sum, weight_sum, new_rest = local_sums(
+                graphdef, loss_fn, grad_accum, forward=sunk, axes=axes.batch
+            )(sinks, rest, batch, step)
+            rows = units.scatter(whole, [x.dtype for x in leaves], reduce_dtype)
+            return jax.tree.unflatten(tree, rows), loss_sum, weight_sum, new_rest
+
         def grads_of(params, rest, step, batch):
-            grads_sum, loss_sum, weight_sum, new_rest = sums(params, rest, batch, step)
+            summed = unsharded_sums if unsharded and grad_accum > 1 else sums
+            grads_sum, loss_sum, weight_sum, new_rest = summed(params, rest, batch, step)
             loss_total, weight = jax.lax.psum(jnp.stack([loss_sum, weight_sum]), axes.batch)
             # Each device holds the sum over devices of its rows' gradients (the gathers' backward); dividing by
             # the global token weight gives the gradient of the global token-weighted mean loss, as under ddp.

@@ -50,12 +50,13 @@ def make_train_step(
     reduce_dtype: str = "float32",
     comm_hook: CommHook | None = None,
     reshard_after_forward: bool = True,
+    accumulate_unsharded: bool = False,
     shard_size: int = 0,
 ):
     """fsdp's step inside each group of `shard_size` devices, the gradient shards all-reduced across the groups."""
     _check_mesh(mesh, shard_size)
     return fsdp.split_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, reduce_dtype, comm_hook,
-                           reshard_after_forward, "hsdp")  # fmt: skip
+                           reshard_after_forward, "hsdp", accumulate_unsharded)  # fmt: skip
 
 
 NODE = 8  # the group the planner assumes when parallel.shard_size is not set: one node of 8 GPUs
@@ -69,25 +70,28 @@ def _group(n: int, shard_size: int) -> int:
 
 def state_bytes(
     params, opt_state, optimizer: optax.GradientTransformation, n: int, grad_accum: int,
-    reshard_after_forward: bool = True, shard_size: int = 0,
+    reshard_after_forward: bool = True, accumulate_unsharded: bool = False, shard_size: int = 0,
 ) -> Memory:  # fmt: skip
     """fsdp's bytes with the state split over a group of shard_size devices instead of all n (not set: a node of
     8, where n allows)."""
-    return fsdp.state_bytes(params, opt_state, optimizer, _group(n, shard_size), grad_accum, reshard_after_forward)
+    return fsdp.state_bytes(params, opt_state, optimizer, _group(n, shard_size), grad_accum, reshard_after_forward,
+                            accumulate_unsharded)  # fmt: skip
 
 
 def traffic(
-    buckets: Buckets, n: int, grad_accum: int, reshard_after_forward: bool = True, shard_size: int = 0
-) -> Traffic:
+    buckets: Buckets, n: int, grad_accum: int, reshard_after_forward: bool = True, accumulate_unsharded=False,
+    shard_size: int = 0,
+) -> Traffic:  # fmt: skip
     """fsdp's gathers and reduce-scatters inside each group of shard_size devices (a node: the fast link), and an
     all-reduce of each reduce-scattered shard (1/K of the gradient bytes) across the n/K groups, over one device of
     each group (the network), behind backward as the scatters are."""
     k = _group(n, shard_size)
-    inside = fsdp.traffic(buckets, k, grad_accum, reshard_after_forward)
+    inside = fsdp.traffic(buckets, k, grad_accum, reshard_after_forward, accumulate_unsharded)
     shard = tuple(b // k for b in buckets.grads)
+    once = accumulate_unsharded and grad_accum > 1  # reduced once a step, after the last micro-batch
     across = Collectives(
-        "all-reduce", f"{buckets.reduce_dtype} gradient shards across groups", shard * grad_accum, "backward",
-        devices=n // k, apart=k,
+        "all-reduce", f"{buckets.reduce_dtype} gradient shards across groups", shard * (1 if once else grad_accum),
+        "" if once else "backward", devices=n // k, apart=k,
     )  # fmt: skip
     group = tuple(
         Collectives(c.kind, c.what, c.nbytes, c.overlaps, c.calls, devices=k, apart=1) for c in inside.collectives
