@@ -175,7 +175,7 @@ def plot_arguments(p: argparse.ArgumentParser) -> None:
 
 def launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc-per-node", type=int, required=True, help="workers on this node")
-    p.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
+    p.add_argument("--nnodes", default="1", help="nodes in the job (default 1); MIN:MAX: elastic (needs --rdzv-dir)")
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0 .. nnodes-1")
     p.add_argument("--coordinator", help="HOST:PORT on node 0 (default on one node: 127.0.0.1 and a free port)")
     p.add_argument(
@@ -184,6 +184,11 @@ def launch_arguments(p: argparse.ArgumentParser) -> None:
         help="where node 0's coordination service listens (default: the --coordinator address only; 0.0.0.0: all)",
     )
     p.add_argument("--max-restarts", type=int, default=0, help="restart the whole group up to K times")
+    p.add_argument("--rdzv-dir", help="elastic jobs: a directory every node sees, where the nodes agree who is in")
+    p.add_argument(
+        "--rdzv-timeout", type=float, default=30.0, help="elastic jobs: seconds to wait for more nodes once MIN are in"
+    )
+    p.add_argument("--local-addr", help="this node's address for the others (default: the one toward --coordinator)")
     p.add_argument("--devices-per-proc", type=int, default=1, help="simulated CPU devices per worker (no GPUs)")
     p.add_argument(
         "--no-pin-cpus",

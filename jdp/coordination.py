@@ -1,4 +1,5 @@
-"""Coordination during a run, across processes: the agreed stop step and the step watchdog.
+"""Coordination during a run, across processes: where each process runs, the agreed stop step and the step
+watchdog.
 
 The only module that touches jax.distributed's key-value store.
 """
@@ -24,10 +25,12 @@ __all__ = [
     "StopAgreement",
     "Watchdog",
     "announce_departure",
+    "describe_hosts",
     "first_departure",
     "key_value_store",
     "leave_job",
     "missing_key_value_api",
+    "publish_host",
     "step_value",
 ]
 
@@ -105,6 +108,38 @@ def key_value_store() -> KeyValueStore | None:
             f"use a jax version in pyproject.toml's range"
         )
     return KeyValueStore(client)
+
+
+HOSTS = "jdp/hosts/"  # each process's host: its name and the address it meets the others on
+
+
+def publish_host(address: str) -> None:
+    """Say where this process runs (its host's name and address), for the banner's list of hosts."""
+    import socket
+
+    kv = key_value_store()
+    if kv is not None:
+        kv.set(f"{HOSTS}{jax.process_index()}", f"{socket.gethostname()} {address}".strip(), overwrite=True)
+
+
+def describe_hosts() -> str:
+    """'2 hosts: vm 10.213.7.1 (processes 0-1), vm 10.213.7.2 (processes 2-3)', from what every process published
+    (call after a barrier that follows publish_host); '' for one process."""
+    kv = key_value_store()
+    if kv is None:
+        return ""
+    processes: dict[str, list[int]] = {}
+    for key, where in sorted(kv.dir_get(HOSTS).items()):
+        rank = key.rsplit("/", 1)[-1]
+        if rank.isdigit():
+            processes.setdefault(where, []).append(int(rank))
+    parts = []
+    for where, ranks in sorted(processes.items(), key=lambda kv: min(kv[1])):
+        ranks.sort()
+        span = f"{ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 1 else (
+            ", ".join(map(str, ranks)))  # fmt: skip
+        parts.append(f"{where} (process{'es' if len(ranks) > 1 else ''} {span})")
+    return f"{len(parts)} host{'s' if len(parts) > 1 else ''}: " + ", ".join(parts)
 
 
 DEPARTED = "jdp/departed"  # the first process to leave the job abnormally says who it was and why

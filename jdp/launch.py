@@ -16,6 +16,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from jdp.log import logger
+from jdp.rendezvous import Rendezvous, RendezvousError
+from jdp.world import source_address
 
 __all__ = [
     "worker_argv",
@@ -85,13 +87,46 @@ class Worker:
     rank: int  # global process id
     local_rank: int
     proc: subprocess.Popen
-    last_err: deque = field(default_factory=lambda: deque(maxlen=30))
+    last_err: deque = field(default_factory=lambda: deque(maxlen=200))  # a C++ abort prints ~60 frames
     threads: list = field(default_factory=list)
 
-    def last_error(self) -> str:
+    def last_error(self, nproc_per_node: int = 0) -> str:
         lines = [ln.strip() for ln in self.last_err if ln.strip()]
+        if lost := lost_peers(lines, nproc_per_node):
+            return lost
+        lines = [ln for ln in lines if not ln.startswith(("@ 0x", "*** Check failure"))]  # a C++ stack's frames
         errors = [ln for ln in lines if re.search(r"error|Error|Exception|Traceback|Killed|Aborted", ln)]
         return (errors or lines or ["(no output on stderr)"])[-1][:500]
+
+
+def lost_peers(lines: list[str], nproc_per_node: int = 0) -> str:
+    """What JAX's coordination service said when it ended a worker for a lost peer, in a sentence: which
+    processes (and nodes) stopped sending heartbeats, or that this worker lost the coordinator. '' if neither."""
+    for i, line in enumerate(lines):
+        if "tasks are unhealthy" in line:
+            ids = []
+            for later in lines[i + 1 :]:
+                if not later.isdigit():
+                    break
+                ids.append(int(later))
+            ids.sort()
+            nodes = sorted({r // nproc_per_node for r in ids}) if nproc_per_node and ids else []
+            where = f" (node{'s' if len(nodes) > 1 else ''} {', '.join(map(str, nodes))})" if nodes else ""
+            who = f"process{'es' if len(ids) > 1 else ''} {', '.join(map(str, ids))}{where}" if ids else "processes"
+            return (f"the job's coordination service lost {who}: no heartbeat within parallel.heartbeat_timeout_s "
+                    f"(a host died, hangs, or its network is cut)")  # fmt: skip
+    for i, line in enumerate(lines):
+        if "detected fatal errors" not in line:
+            continue
+        after = " ".join(lines[i : i + 4])
+        if "/Heartbeat" in after:
+            return ("this worker lost the job's coordinator (process 0): its heartbeats went unanswered for "
+                    "parallel.heartbeat_timeout_s (the coordinator's host died, hangs, or the network to it is cut)")  # fmt: skip
+        if "Socket closed" in after or "Stream removed" in after or "Connection reset" in after:
+            return ("this worker lost the job's coordinator (process 0): its connection closed (the coordinator's "
+                    "process or host is gone)")  # fmt: skip
+        return "JAX's coordination service ended this worker: " + line.split("absl::Status:")[-1].strip()[:300]
+    return ""
 
 
 def _pump(worker: Worker, stream, out, keep: bool) -> None:
@@ -135,14 +170,14 @@ class Launcher:
         self.signalled = 0
         self.kill_at = float("inf")
 
-    def start(self, coordinator: str) -> None:
+    def start(self, coordinator: str, node_rank: int, nnodes: int) -> None:
         a = self.args
-        world = a.nnodes * a.nproc_per_node
+        world = nnodes * a.nproc_per_node
         gpus = gpu_groups(a.nproc_per_node)
         cores = cpu_groups(a.nproc_per_node) if gpus is None and a.pin_cpus else None
         self.workers = []
         for local in range(a.nproc_per_node):
-            rank = a.node_rank * a.nproc_per_node + local
+            rank = node_rank * a.nproc_per_node + local
             env = {k: v for k, v in os.environ.items() if k not in _FOREIGN}
             env.update(
                 JAX_COORDINATOR_ADDRESS=coordinator,
@@ -187,6 +222,15 @@ class Launcher:
         if cores:
             where += f", cores {[sorted(c) for c in cores]}"
         say(f"started ranks {[w.rank for w in self.workers]} of {world} ({where}), coordinator {coordinator}")
+
+    def rendezvous(self) -> Rendezvous | None:
+        """The elastic rendezvous (--nnodes MIN:MAX), or None for a fixed world."""
+        a = self.args
+        if a.min_nodes == a.nnodes:
+            return None
+        host, _, port = a.coordinator.rpartition(":")
+        address = a.local_addr or source_address(host.strip("[]"), int(port)) or socket.gethostname()
+        return Rendezvous(a.rdzv_dir, a.min_nodes, a.nnodes, a.nproc_per_node, address, a.node_rank, a.rdzv_timeout)
 
     def signal_all(self, sig: int) -> None:
         for w in self.workers:
@@ -240,10 +284,29 @@ class Launcher:
         a = self.args
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self.on_signal)
+        rdzv = self.rendezvous()
+        r = rdzv.first_round() if rdzv else 0
         for attempt in range(a.max_restarts + 1):
             coordinator = a.coordinator or f"127.0.0.1:{free_port()}"
-            self.start(coordinator)
+            node_rank, nnodes = a.node_rank, a.nnodes
+            if rdzv is not None:
+                try:
+                    joined = rdzv.join(r, say)
+                except RendezvousError as e:
+                    say(str(e), logging.ERROR)
+                    return 1
+                if joined is None:
+                    say("the job finished while this node waited to join it")
+                    return 0
+                r, node_rank, nnodes = joined.round, joined.node_rank, joined.nnodes
+                coordinator = f"{joined.coordinator_host}:{a.coordinator.rpartition(':')[2]}"
+                say(f"rendezvous round {r}: {nnodes} of {a.min_nodes}-{a.nnodes} nodes ({', '.join(joined.members)}); "
+                    f"this node is node {node_rank}")  # fmt: skip
+            self.start(coordinator, node_rank, nnodes)
             code, failed = self.watch()
+            if rdzv is not None:
+                rdzv.end(r, ok=failed is None)
+                r += 1
             if failed is None:
                 for w in self.workers:
                     for t in w.threads:
@@ -252,7 +315,7 @@ class Launcher:
                 return 0
             say(
                 f"worker rank {failed.rank} (local rank {failed.local_rank}, pid {failed.proc.pid}) "
-                f"{_describe_exit(code)}; last error: {failed.last_error()}",
+                f"{_describe_exit(code)}; last error: {failed.last_error(a.nproc_per_node)}",
                 logging.ERROR,
             )
             say("stopping the other workers")
@@ -269,6 +332,19 @@ class Launcher:
 
 
 JDP_COMMANDS = ("train", "allreduce", "plot", "generate", "export", "plan")
+
+
+def nodes_range(value) -> tuple[int, int]:
+    """--nnodes N or MIN:MAX (torchrun's elastic range) -> (MIN, MAX)."""
+    text = str(value)
+    low, colon, high = text.partition(":")
+    try:
+        lo, hi = int(low), int(high if colon else low)
+    except ValueError:
+        raise LaunchError(f"--nnodes {text}: give a number of nodes, or MIN:MAX for an elastic job") from None
+    if not 1 <= lo <= hi:
+        raise LaunchError(f"--nnodes {text}: need 1 <= MIN <= MAX")
+    return lo, hi
 
 
 def worker_argv(command: list[str]) -> list[str]:
@@ -292,8 +368,14 @@ def launch(args, command: list[str]) -> int:
             "nothing to launch: give a jdp command or a script after --, e.g. jdp launch --nproc-per-node 2 -- train, "
             "or -- python my_training.py"
         )
-    if args.nproc_per_node < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+    args.min_nodes, args.nnodes = nodes_range(args.nnodes)
+    if args.nproc_per_node < 1 or args.min_nodes < 1 or not 0 <= args.node_rank < args.nnodes:
         raise LaunchError(f"--node-rank {args.node_rank} must be in [0, --nnodes {args.nnodes}); --nproc-per-node >= 1")
     if args.nnodes > 1 and not args.coordinator:
         raise LaunchError("--nnodes > 1 needs --coordinator HOST:PORT (an address of node 0 that every node reaches)")
+    if args.min_nodes < args.nnodes and not getattr(args, "rdzv_dir", None):
+        raise LaunchError(
+            f"--nnodes {args.min_nodes}:{args.nnodes} (elastic) needs --rdzv-dir DIR: a directory every node sees "
+            f"(shared storage, e.g. beside the run directory), where the nodes agree who is in the job"
+        )
     return Launcher(args, command).run()

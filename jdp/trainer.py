@@ -27,7 +27,7 @@ from jdp import parallel, strategies
 from jdp.callbacks import Callback, Checkpoint, Evaluate, ReplicaCheck, imported
 from jdp.checkpoint import Checkpoints, check_param_shapes, check_resumable, config_differences, make_record
 from jdp.config import Config, ConfigError, Derived, save_config, validate
-from jdp.coordination import PeerMonitor, announce_departure, first_departure
+from jdp.coordination import PeerMonitor, announce_departure, describe_hosts, first_departure, publish_host
 from jdp.corpus import cache_root
 from jdp.hooks import CommHook
 from jdp.log import PLAIN, logger, set_rank
@@ -157,7 +157,7 @@ class Trainer:
         watch_launcher()  # a worker of `jdp launch` never outlives it
         if not jax.distributed.is_initialized():
             p = cfg.parallel
-            initialize(world, p.init_timeout_s, p.heartbeat_timeout_s, p.coordinator_bind)
+            publish_host(initialize(world, p.init_timeout_s, p.heartbeat_timeout_s, p.coordinator_bind))
         set_rank(jax.process_index())  # process 0 speaks for the job (jdp.log's RankFilter)
         phases, run_dir = Phases(), RunDir(cfg.train.run_dir)
         lock, peers = RunLock(run_dir), PeerMonitor()
@@ -483,9 +483,10 @@ def banner(cfg: Config, world: World, derived, model_line: str, data, run_dir, r
     par, t = cfg.parallel, cfg.train
     epochs = "" if data.position() is not None else f" | {t.steps} steps = {data.epoch(t.steps):.3f} epochs"
     where = "starting at step 0" if resumed_from is None else f"resuming from the checkpoint at step {resumed_from}"
+    hosts = describe_hosts()
     return [
         f"{world.describe()} | {jax.devices()[0].device_kind} x {derived.n_devices}, "
-        f"{jax.local_device_count()} local | jax {jax.__version__}",
+        f"{jax.local_device_count()} local | jax {jax.__version__}" + (f" | {hosts}" if hosts else ""),
         model_line,
         derived.describe(),
         f"parallel.strategy={par.strategy} bucket_mb={par.bucket_mb:g} reduce_dtype={par.reduce_dtype}"

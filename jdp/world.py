@@ -289,15 +289,16 @@ def check_port_free(address: str, world: World) -> None:
             ) from None
 
 
-def initialize(world: World, init_timeout_s: int = 300, heartbeat_timeout_s: int = 30, bind: str = "") -> None:
-    """Join the job `world` describes (nothing to do for one process). Call before anything touches devices.
+def initialize(world: World, init_timeout_s: int = 300, heartbeat_timeout_s: int = 30, bind: str = "") -> str:
+    """Join the job `world` describes (nothing to do for one process); returns the address this process meets the
+    others on ('' when gloo chose it, or for one process). Call before anything touches devices.
 
     If the other processes have not all arrived within init_timeout_s, this process exits with a message
     naming the phase and what it waited for, instead of JAX's abort from deep inside its runtime. Process 0's
     coordination service listens only where bind_address says.
     """
     if world.num_processes == 1:
-        return
+        return ""
     address, why = bind_address(world.coordinator, bind)
     if world.process_id == 0 and address is not None:
         check_port_free(address, world)
@@ -331,6 +332,7 @@ def initialize(world: World, init_timeout_s: int = 300, heartbeat_timeout_s: int
             os._exit(3)
 
     threading.Thread(target=watchdog, daemon=True, name="jdp-init-watchdog").start()
+    meets_on = _gloo_for(world)
     kwargs = {}
     if not world.auto_detect:
         kwargs = dict(
@@ -354,19 +356,99 @@ def initialize(world: World, init_timeout_s: int = 300, heartbeat_timeout_s: int
         jax.devices()  # the backend joins here too: on CPUs gloo connects the processes (names, addresses)
     except Exception as e:  # JAX's errors here are XlaRuntimeError, RuntimeError or ValueError, by version
         joined.set()
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        if "gloo" in first:
-            name = socket.gethostname()
-            first += (
-                f". gloo, the CPU collectives, finds the address it listens on from this host's own name ({name}): "
-                f"make `getent hosts {name}` answer with an address the other hosts reach"
-            )
+        first = _gloo_hint((str(e).strip().splitlines() or [type(e).__name__])[0], meets_on)
         raise JoinError(
             f"process {world.process_id} of {world.num_processes} could not join the job at "
             f"{world.coordinator or 'the auto-detected coordinator'} ({world.source}): {first}"
         ) from e
     joined.set()
     set_rank(jax.process_index())  # process 0 speaks for the job (jdp.log)
+    return meets_on
+
+
+def _gloo_hint(first: str, meets_on: str) -> str:
+    """A failed join's first line, with how to fix gloo's address where gloo chose it (the host's own name)."""
+    if "gloo" not in first or meets_on:
+        return first
+    name = socket.gethostname()
+    return (
+        f"{first}. gloo, the CPU collectives, found the address it listens on from this host's own name ({name}): "
+        f"make `getent hosts {name}` answer with an address the other hosts reach, or name the interface in "
+        f"${GLOO_IFNAME}"
+    )
+
+
+def _gloo_for(world: World) -> str:
+    """use_gloo_on, said once per host (its first process); returns the address this process meets the others on
+    ('' when gloo chose it)."""
+    meets_on, line = use_gloo_on(world)
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        log.info(f"process {world.process_id}: {line}", extra={**PLAIN, "rank": 0})
+    return meets_on if meets_on[0].isalnum() and " " not in meets_on else ""
+
+
+GLOO_IFNAME = "GLOO_SOCKET_IFNAME"  # PyTorch's name for the interface gloo uses; jdp honours it too
+
+
+def gloo_endpoint(world: World, env: Mapping[str, str] | None = None) -> tuple[dict, str]:
+    """(how gloo, the CPU collectives, finds the address it listens on and tells the others, why).
+
+    Left alone, gloo takes the address this host's own name resolves to: on many hosts (and in every network
+    namespace of one machine) a loopback address, which the other hosts cannot reach ("Connection refused,
+    remote=[127.0.0.1]"). jdp gives it the interface the user names ($GLOO_SOCKET_IFNAME), else the address this host
+    reaches the coordinator from (a UDP socket's source address: nothing is sent), which is on the job's network
+    by construction; for a single-host job that is the loopback, as before. {}: the job is auto-detected (no
+    coordinator address to route to): gloo's own choice."""
+    env = os.environ if env is None else env
+    if iface := env.get(GLOO_IFNAME, "").split(",")[0].strip():
+        return {"interface": iface}, f"${GLOO_IFNAME}"
+    if not world.coordinator:
+        return {}, "gloo's own choice (this host's name); set $GLOO_SOCKET_IFNAME to name the interface"
+    host, _, port = world.coordinator.rpartition(":")
+    address = source_address(host.strip("[]"), int(port))
+    if address is None:
+        return {}, f"gloo's own choice: no route to the coordinator {world.coordinator} from here"
+    return {"hostname": address}, f"the address this host reaches the coordinator {world.coordinator} from"
+
+
+def source_address(host: str, port: int) -> str | None:
+    """The address this host sends from to reach host:port (a UDP socket's source: nothing is sent); None if
+    there is no route."""
+    try:
+        family, kind, proto, _, where = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(where)
+            return probe.getsockname()[0]
+    except OSError:
+        return None
+
+
+def use_gloo_on(world: World) -> tuple[str, str]:
+    """Make JAX's CPU backend use gloo on gloo_endpoint's address (before any device is touched); returns the line
+    that says where. JAX builds gloo from its own defaults; jdp registers the CPU backend's factory again with
+    gloo made on that address (jax._src.xla_bridge: internal; every multi-process test goes through it, on JAX 0.10
+    and the newest, and tests/test_hosts.py across hosts).
+    Returns (where, the line)."""
+    options, why = gloo_endpoint(world)
+    where = options.get("hostname") or options.get("interface") or "this host's name"
+    line = f"CPU collectives on {where} ({why})"
+    if not options:
+        return where, line
+    try:
+        from jax._src import distributed, xla_bridge
+        from jax._src.lib import _jax
+
+        def make_cpu_client():
+            collectives = _jax.make_gloo_tcp_collectives(distributed_client=distributed.global_state.client, **options)
+            return xla_bridge.make_cpu_client(collectives=collectives)
+
+        xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)
+    except (ImportError, AttributeError, TypeError, RuntimeError) as e:  # another JAX: its defaults, said so
+        return (
+            where,
+            f"CPU collectives on this host's name: JAX {type(e).__name__} ({e}) kept jdp from choosing {where}",
+        )
+    return where, line
 
 
 LAUNCHER_PID, LAUNCHER_GRACE_S = "JDP_LAUNCHER_PID", "JDP_LAUNCHER_GRACE_S"  # what `jdp launch` tells its workers

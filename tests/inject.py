@@ -9,6 +9,8 @@ config. The faults, each off unless its variable is set:
 - JDP_TEST_TERM=STEP:save: SIGTERM process 0 just after it starts the save at STEP;
 - JDP_TEST_DIVERGE=STEP: perturb the last device's replica before the replica check at STEP;
 - JDP_TEST_STALL=STEP:PROCESS: that process stops before that step;
+- JDP_TEST_KILL_ONCE=STEP:PROCESS:FILE: SIGKILL that process after that step, once the newest checkpoint before it
+  is on disk (complete), unless FILE exists (it makes FILE first): a restarted job passes the step;
 - JDP_TEST_FAIL=STEP:WHERE:PROCESS: that process raises an error at step STEP where it logs the step's metrics
   (log), starts evaluating (eval) or starts saving (save): a process leaving the job outside a step.
 """
@@ -46,6 +48,7 @@ class Faults(jdp.Callback):
         self.kill, self.term = env.get("JDP_TEST_KILL", ""), env.get("JDP_TEST_TERM", "")
         self.diverge, self.stall = env.get("JDP_TEST_DIVERGE", ""), env.get("JDP_TEST_STALL", "")
         self.fail = env.get("JDP_TEST_FAIL", "")
+        self.kill_once = env.get("JDP_TEST_KILL_ONCE", "")
 
     def on_batch(self, loop, step: int, local: dict) -> dict:
         if self.stall == f"{step}:{jax.process_index()}":
@@ -59,6 +62,16 @@ class Faults(jdp.Callback):
             raise RuntimeError(f"injected failure at step {step} ({point})")
         if point == "replicas" and self.diverge == str(step):
             loop.state.params = _perturb_last_device(loop.state.params)
+        if point == "step_end" and self.kill_once.startswith(f"{step}:{jax.process_index()}:"):
+            marker = Path(self.kill_once.split(":", 2)[2])
+            if not marker.exists():
+                every = loop.t.ckpt_every
+                saved = Path(loop.t.run_dir) / "checkpoints" / str(step - step % every) if every else None
+                deadline = time.monotonic() + 120
+                while saved is not None and not (saved / "record").exists() and time.monotonic() < deadline:
+                    time.sleep(0.1)  # the others wait in the next step's collective; the save commits meanwhile
+                marker.touch()
+                os.kill(os.getpid(), signal.SIGKILL)
         if jax.process_index() != 0:
             return
         if point == "step_end" and self.kill == str(step):

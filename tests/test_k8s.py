@@ -104,9 +104,10 @@ def test_the_indexed_job_trains_from_what_its_pods_are_given(tmp_path):
     assert steps == [1, 2, 3, 4]
 
 
-def test_a_host_whose_own_name_does_not_resolve_is_one_error_line_naming_it(tmp_path):
-    """gloo (CPU collectives) looks up the host's own name; where that fails, every process says so and how to
-    fix it, in one `jdp: error:` line, before any run directory exists."""
+def test_a_host_whose_own_name_does_not_resolve_still_joins(tmp_path):
+    """gloo (CPU collectives) left alone advertises the address of the host's own name, and fails where that name
+    does not resolve (or resolves to a loopback address other hosts cannot reach); jdp gives it the address this
+    host reaches the coordinator from instead, so each process says where and the job trains."""
     hosts = tmp_path / "hosts"
     hosts.write_text("127.0.0.1 localhost\n")
     port = free_port()
@@ -115,11 +116,12 @@ def test_a_host_whose_own_name_does_not_resolve_is_one_error_line_naming_it(tmp_
         {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)}
         for i in range(2)
     ]
-    argv = [str(Path(sys.executable).parent / "jdp"), "train", "configs/tiny.yaml", f"train.run_dir={tmp_path / 'run'}"]
-    results = run_hosts([(hosts, f"nowhere-{i}", cpu | job[i]) for i in range(2)], argv, timeout=120)
-    for i, (code, _, err) in enumerate(results):
-        assert code == 1, err[-3000:]
-        errors = [line for line in err.splitlines() if line.startswith("jdp: error:")]
-        assert len(errors) == 1 and f"process {i} of 2 could not join" in errors[0], err[-3000:]
-        assert f"getent hosts nowhere-{i}" in errors[0] and "Traceback" not in err
-    assert not (tmp_path / "run").exists()
+    argv = [str(Path(sys.executable).parent / "jdp"), "train", "configs/tiny.yaml", *SMALL,
+            f"train.run_dir={tmp_path / 'run'}"]  # fmt: skip
+    results = run_hosts([(hosts, f"nowhere-{i}", cpu | job[i]) for i in range(2)], argv, timeout=240)
+    for i, (code, out, err) in enumerate(results):
+        assert code == 0, err[-3000:]
+        said = out + err
+        assert f"process {i}: CPU collectives on 127.0.0.1 (the address this host reaches the coordinator" in said
+    steps = [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    assert steps == [1, 2, 3, 4]
