@@ -304,9 +304,8 @@ class Launcher:
                     f"this node is node {node_rank}")  # fmt: skip
             self.start(coordinator, node_rank, nnodes)
             code, failed = self.watch()
-            if rdzv is not None:
-                rdzv.end(r, ok=failed is None)
-                r += 1
+            if rdzv is not None and failed is None:
+                rdzv.end(r, ok=True)
             if failed is None:
                 for w in self.workers:
                     for t in w.threads:
@@ -320,6 +319,11 @@ class Launcher:
             )
             say("stopping the other workers")
             self.stop_all()
+            if rdzv is not None:  # in the next round before this one ends: a waiting node cannot close it alone
+                r += 1
+                if attempt < a.max_restarts and not self.signalled:
+                    rdzv.enter(r)
+                rdzv.end(r - 1, ok=False)
             if self.signalled:
                 return 128 + signal.SIGTERM if code < 0 else code or 1
             if attempt < a.max_restarts:

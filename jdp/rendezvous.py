@@ -103,7 +103,7 @@ class Rendezvous:
         it, and return the world. None: the job finished (the round before ended ok) while this node waited."""
         deadline = time.monotonic() + self.join_timeout_s
         r = max(r, 0)
-        self._enter(r)
+        self.enter(r)
         enough_since = None
         waiting_said = False
         while True:
@@ -113,7 +113,7 @@ class Rendezvous:
                 if self.id in ids:
                     return self._membership(r, members)
                 r += 1  # it closed without this node (joined late): the next round
-                self._enter(r)
+                self.enter(r)
                 enough_since = None
                 continue
             before = r - 1
@@ -143,7 +143,9 @@ class Rendezvous:
                 )
             time.sleep(POLL_S)
 
-    def _enter(self, r: int) -> None:
+    def enter(self, r: int) -> None:
+        """Write this node's member file into round r (join does; a launcher whose workers just stopped does it
+        before marking their round ended)."""
         member = {"id": self.id, "address": self.address, "nproc": self.nproc, "hint": self.hint}
         _write(self._round(r) / "members" / f"{self.id}.json", json.dumps(member))
 
