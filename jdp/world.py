@@ -384,9 +384,10 @@ def _gloo_for(world: World) -> str:
     meets_on, line = use_gloo_on(world)
     if os.environ.get("LOCAL_RANK", "0") == "0":
         log.info(f"process {world.process_id}: {line}", extra={**PLAIN, "rank": 0})
-    return meets_on if meets_on[0].isalnum() and " " not in meets_on else ""
+    return meets_on
 
 
+HOST_NAME = "this host's name"  # where gloo listens when jdp does not choose
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"  # PyTorch's name for the interface gloo uses; jdp honours it too
 
 
@@ -428,12 +429,12 @@ def use_gloo_on(world: World) -> tuple[str, str]:
     that says where. JAX builds gloo from its own defaults; jdp registers the CPU backend's factory again with
     gloo made on that address (jax._src.xla_bridge: internal; every multi-process test goes through it, on JAX 0.10
     and the newest, and tests/test_hosts.py across hosts).
-    Returns (where, the line)."""
+    Returns (the address or interface gloo uses, '' where gloo chose it; the line)."""
     options, why = gloo_endpoint(world)
-    where = options.get("hostname") or options.get("interface") or "this host's name"
-    line = f"CPU collectives on {where} ({why})"
+    where = options.get("hostname") or options.get("interface") or ""
+    line = f"CPU collectives on {where or HOST_NAME} ({why})"
     if not options:
-        return where, line
+        return "", line
     try:
         from jax._src import distributed, xla_bridge
         from jax._src.lib import _jax
@@ -445,7 +446,7 @@ def use_gloo_on(world: World) -> tuple[str, str]:
         xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)
     except (ImportError, AttributeError, TypeError, RuntimeError) as e:  # another JAX: its defaults, said so
         return (
-            where,
+            "",
             f"CPU collectives on this host's name: JAX {type(e).__name__} ({e}) kept jdp from choosing {where}",
         )
     return where, line
