@@ -2,7 +2,7 @@
 a bridge that lives in a namespace of its own (nothing is added to this machine's own network), for multi-node
 tests and scripts. Needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN) and `ip`; `unavailable()` says why not.
 
-    with Hosts(2) as hosts:
+    with Hosts(2, shaped=(1,)) as hosts:
         procs = [hosts.run(i, ["jdp", "launch", ...]) for i in range(2)]
         hosts.partition(1); hosts.heal(1); hosts.shape(1, delay_ms=20, jitter_ms=5, loss_pct=1); hosts.kill(1)
 
@@ -13,10 +13,12 @@ the next Hosts() removes what a killed holder (SIGKILL) left (namespaces are nam
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -89,7 +91,9 @@ _count = 0
 class Hosts:
     """n hosts, host i at address `addresses[i]` on one bridge (in its own namespace `switch`)."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, shaped: tuple[int, ...] = ()):
+        """`shaped`: the hosts whose link `shape` may slow down later: a veth pair with `tc netem` where the kernel
+        has sch_netem, else a link in user space (tests/wire.py) between two TAP devices."""
         global _count
         _count += 1
         remove_stale()
@@ -101,6 +105,9 @@ class Hosts:
         self.addresses = [f"10.213.{subnet}.{i + 1}" for i in range(n)]
         self._made: list[str] = []
         self._old_handlers: dict = {}
+        self._wires: dict[int, subprocess.Popen] = {}
+        self.shaped = tuple(shaped)
+        self.wired = () if not netem_unavailable() else self.shaped
 
     # -- making and removing ---------------------------------------------------------------------------------------
 
@@ -131,12 +138,25 @@ class Hosts:
         for i, (name, address) in enumerate(zip(self.names, self.addresses, strict=True)):
             _ip("netns", "add", name)
             self._made.append(name)
-            # the pair is made inside the namespaces: one end the host's eth0, the other a port of the bridge
-            _ip("-n", self.switch, "link", "add", f"p{i}", "type", "veth", "peer", "name", "eth0", "netns", name)
+            if i in self.wired:
+                self._wire(i)
+            else:  # the pair is made inside the namespaces: one end the host's eth0, the other a port of the bridge
+                _ip("-n", self.switch, "link", "add", f"p{i}", "type", "veth", "peer", "name", "eth0", "netns", name)
             _ip("-n", self.switch, "link", "set", f"p{i}", "master", "br0", "up")
             _ip("-n", name, "addr", "add", f"{address}/24", "dev", "eth0")
             _ip("-n", name, "link", "set", "eth0", "up")
             _ip("-n", name, "link", "set", "lo", "up")
+
+    def _wire(self, i: int) -> None:
+        """Host i's link through tests/wire.py: both TAP ends made in the switch's namespace by the wire process,
+        then one moved into the host's namespace as its eth0 (the process keeps it open there)."""
+        wire = subprocess.Popen([*self.command_in(self.switch), sys.executable, str(Path(__file__).with_name("wire.py")),
+                                 f"t{i}", f"p{i}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+        self._wires[i] = wire
+        if wire.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"tests/wire.py for host {i} did not start (exit {wire.wait(10)})")
+        _ip("-n", self.switch, "link", "set", f"t{i}", "netns", self.names[i])
+        _ip("-n", self.names[i], "link", "set", f"t{i}", "name", "eth0")
 
     def close(self) -> None:
         """Kill every process in the hosts, remove every namespace made (the veth pairs and bridge go with them)."""
@@ -148,6 +168,10 @@ class Hosts:
                     break
                 time.sleep(0.1)
         self._made.clear()
+        for wire in self._wires.values():
+            wire.kill()
+            wire.wait()
+        self._wires.clear()
         for sig, handler in self._old_handlers.items():
             signal.signal(sig, handler)
         self._old_handlers.clear()
@@ -155,7 +179,11 @@ class Hosts:
     # -- running and faults ----------------------------------------------------------------------------------------
 
     def command(self, i: int, argv: list[str]) -> list[str]:
-        return ["ip", "netns", "exec", self.names[i], *argv]
+        return [*self.command_in(self.names[i]), *argv]
+
+    @staticmethod
+    def command_in(namespace: str) -> list[str]:
+        return ["ip", "netns", "exec", namespace]
 
     def run(self, i: int, argv: list[str], log: Path | None = None, env: dict | None = None) -> subprocess.Popen:
         """Start argv on host i (stdout and stderr to `log`, else captured)."""
@@ -183,13 +211,34 @@ class Hosts:
         _ip("-n", self.switch, "link", "set", f"p{i}", "up")
 
     def shape(self, i: int, delay_ms: float = 0, jitter_ms: float = 0, loss_pct: float = 0) -> None:
-        """tc netem on host i's link: delay (with jitter) and loss of what it sends."""
+        """Delay (with jitter) and loss on host i's link, both ways: tc netem on each end of its veth pair, or its
+        user-space wire. Only for a host made with `Hosts(n, shaped=(i, ...))`."""
+        if i not in self.shaped:
+            raise ValueError(f"host {i} was not made shapeable: Hosts(n, shaped=({i},))")
+        if i in self.wired:
+            wire = self._wires[i]
+            wire.stdin.write(json.dumps({"delay_ms": delay_ms, "jitter_ms": jitter_ms, "loss_pct": loss_pct}) + "\n")
+            wire.stdin.flush()
+            return
+        for namespace, device in ((self.names[i], "eth0"), (self.switch, f"p{i}")):
+            self._netem(namespace, device, delay_ms, jitter_ms, loss_pct)
+
+    def _netem(self, namespace: str, device: str, delay_ms: float, jitter_ms: float, loss_pct: float) -> None:
         netem = ["delay", f"{delay_ms}ms", f"{jitter_ms}ms"] if delay_ms else []
         netem += ["loss", f"{loss_pct}%"] if loss_pct else []
-        done = subprocess.run(["ip", "netns", "exec", self.names[i], "tc", "qdisc", "replace", "dev", "eth0", "root",
-                               "netem", *netem], capture_output=True, text=True, timeout=30)  # fmt: skip
+        done = subprocess.run([*self.command_in(namespace), "tc", "qdisc", "replace", "dev", device, "root", "netem",
+                               *netem], capture_output=True, text=True, timeout=30)  # fmt: skip
         if done.returncode:
-            raise RuntimeError(f"tc netem on host {i}: {done.stderr.strip()} ({netem_unavailable() or 'netem exists'})")
+            raise RuntimeError(f"tc netem on {device} in {namespace}: {done.stderr.strip()}")
+
+
+def shape_unavailable() -> str:
+    """Why no link can be shaped here ('' when one can): neither tc netem nor a TAP device (tests/wire.py)."""
+    if not netem_unavailable():
+        return ""
+    if not os.path.exists("/dev/net/tun"):
+        return f"{netem_unavailable()}, and /dev/net/tun (for tests/wire.py's TAP devices) is missing"
+    return ""
 
 
 def netem_unavailable() -> str:
