@@ -24,7 +24,9 @@ def attention_scores(L: int) -> int:
     return (L // n) ** 2 * n * (n + 1) // 2
 
 
-def causal_attention(q_BxHxLxK: jax.Array, k_BxGxLxK: jax.Array, v_BxGxLxK: jax.Array) -> jax.Array:
+def causal_attention(
+    q_BxHxLxK: jax.Array, k_BxGxLxK: jax.Array, v_BxGxLxK: jax.Array, segments_BxL: jax.Array | None = None
+) -> jax.Array:
     """softmax(q k^T / sqrt(K) + causal mask) v, written out in heads-major layout, one query block at a time.
 
     Query block i attends only keys up to the block's end, so the fully masked part of q k^T is never computed:
@@ -34,6 +36,9 @@ def causal_attention(q_BxHxLxK: jax.Array, k_BxGxLxK: jax.Array, v_BxGxLxK: jax.
 
     With fewer key/value heads than query heads (G < H), each key/value head serves its R = H / G query heads in
     one grouped einsum: the keys and values are never copied R times.
+
+    With `segments_BxL` (data.document_attention=within: which document of the packed window each token is in) a
+    query also sees only keys of its own document.
     """
     B, H, L, K = q_BxHxLxK.shape
     G = k_BxGxLxK.shape[1]
@@ -50,21 +55,35 @@ def causal_attention(q_BxHxLxK: jax.Array, k_BxGxLxK: jax.Array, v_BxGxLxK: jax.
         end = (i + 1) * Q  # this block's queries see keys [0, end)
         scores = jnp.einsum(scores_spec, q[..., i * Q : end, :], k_BxGxLxK[:, :, :end])
         visible_QxE = jnp.arange(i * Q, end)[:, None] >= jnp.arange(end)[None, :]
-        mask_QxE = jnp.where(visible_QxE, 0.0, -1e9).astype(scores.dtype)
-        probs = jax.nn.softmax((scores + mask_QxE).astype(jnp.float32), axis=-1)
+        if segments_BxL is None:
+            mask = jnp.where(visible_QxE, 0.0, -1e9).astype(scores.dtype)
+        else:  # and only its own document's: one mask per sequence, broadcast over the heads
+            same_BxQxE = segments_BxL[:, i * Q : end, None] == segments_BxL[:, None, :end]
+            mask = jnp.where(visible_QxE & same_BxQxE, 0.0, -1e9).astype(scores.dtype)
+            mask = mask.reshape(B, *(1,) * (scores.ndim - 3), end - i * Q, end)
+        probs = jax.nn.softmax((scores + mask).astype(jnp.float32), axis=-1)
         outputs.append(jnp.einsum(values_spec, probs.astype(v_BxGxLxK.dtype), v_BxGxLxK[:, :, :end]))
     y = outputs[0] if n == 1 else jnp.concatenate(outputs, axis=-2)
     return y.reshape(B, H, L, K)
 
 
-def attention(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array, kind: str = "auto") -> jax.Array:
+def attention(
+    q_BxLxHxK: jax.Array,
+    k_BxLxGxK: jax.Array,
+    v_BxLxGxK: jax.Array,
+    kind: str = "auto",
+    segments_BxL: jax.Array | None = None,
+) -> jax.Array:
     """Causal attention, y_BxLxHxK, by model.attention's `kind`: "auto" is cuDNN's fused kernel where jax can use
     it (GPUs) and the written-out `causal_attention` elsewhere; "einsum" always the latter; "xla" or "cudnn"
-    jax.nn.dot_product_attention with that implementation (it takes G < H natively)."""
+    jax.nn.dot_product_attention with that implementation (it takes G < H natively). `segments_BxL`: attention
+    within documents only (the fused kernels take it as a mask)."""
     if kind == "auto":
         kind = "dot_product_attention" if jax.default_backend() == "gpu" else "einsum"
     if kind == "einsum":
         heads_major = [x.transpose(0, 2, 1, 3) for x in (q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)]
-        return causal_attention(*heads_major).transpose(0, 2, 1, 3)
+        return causal_attention(*heads_major, segments_BxL).transpose(0, 2, 1, 3)
     implementation = None if kind == "dot_product_attention" else kind  # None: jax picks
-    return jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, is_causal=True, implementation=implementation)
+    mask = None if segments_BxL is None else (segments_BxL[:, None, :, None] == segments_BxL[:, None, None, :])
+    return jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask=mask, is_causal=True,
+                                        implementation=implementation)  # fmt: skip

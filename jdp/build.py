@@ -78,4 +78,9 @@ def batch_spec(cfg: Config, mesh) -> dict[str, jax.ShapeDtypeStruct]:
         "inputs": jax.ShapeDtypeStruct(shape, np.int32, sharding=sharding),
         "targets": jax.ShapeDtypeStruct(shape, np.int32, sharding=sharding),
         "weights": jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding),
+        **(
+            {k: jax.ShapeDtypeStruct(shape, np.int32, sharding=sharding) for k in ("segments", "positions")}
+            if cfg.data.document_attention == "within"
+            else {}
+        ),  # fmt: skip
     }

@@ -188,8 +188,17 @@ class Evaluate(Periodic):
     def run(self, loop: Loop, step: int) -> None:
         run = loop.run
         loop.notify("eval", step)
-        loss, weight = evaluate(run.eval_step, loop.state, run.eval_data.eval_batches(), run.mesh, run.batch_size)
-        run.log.write({"step": step, "eval_loss": loss, f"eval_{run.unit}": weight})
+        sets = (
+            run.eval_data.eval_sets() if hasattr(run.eval_data, "eval_sets") else [("", run.eval_data.eval_batches())]
+        )
+        record, loss_sum, weight = {"step": step}, 0.0, 0.0
+        for label, batches in sets:  # a mixture's sources one by one, each named; the overall loss over all of them
+            loss_k, weight_k = evaluate(run.eval_step, loop.state, batches, run.mesh, run.batch_size)
+            loss_sum, weight = loss_sum + loss_k * weight_k, weight + weight_k
+            if label:
+                record.update({f"eval_loss/{label}": loss_k, f"eval_{run.unit}/{label}": weight_k})
+        loss = loss_sum / max(weight, 1.0)
+        run.log.write({**record, "eval_loss": loss, f"eval_{run.unit}": weight})
         loop.last.update(eval_loss=loss)
         if loop.is_main:
             loop.bar.write(f"step {step}: eval_loss {loss:.4f} over {weight:,.0f} {run.unit}")

@@ -66,9 +66,19 @@ def config_differences(saved: dict, current: dict) -> list[str]:
             name = f"{section}.{key}"
             # a key added to jdp after the checkpoint was written had its default then
             old = saved.get(section, {}).get(key, defaults.get(section, {}).get(key, "<absent>"))
+            if name == "data.sources":  # a mixture's weights may change on resume (mixture.py), not its sources
+                old, value = _unweighted(old), _unweighted(value)
             if old != value and name not in RESUMABLE_CHANGES:
                 out.append(f"{name}: {old!r} -> {value!r}")
     return out
+
+
+def _unweighted(sources) -> list:
+    return (
+        [{k: v for k, v in e.items() if k != "weight"} for e in sources or []]
+        if isinstance(sources, (list, tuple))
+        else sources
+    )
 
 
 def abstract(tree):
@@ -439,14 +449,20 @@ def check_param_shapes(record: dict, param_shapes) -> None:
 
 
 def make_record(
-    cfg: Config, step: int, optimizer_layout: dict, comm: dict | None = None, param_shapes: list | None = None
+    cfg: Config,
+    step: int,
+    optimizer_layout: dict,
+    comm: dict | None = None,
+    param_shapes: list | None = None,
+    data_state: dict | None = None,
 ) -> dict:
     """A checkpoint's JSON record beside its arrays: what resuming checks and needs besides the train state (the
     config it was trained with, where the data stood, how the optimizer state is laid out, the hook's state)."""
     record = {
         "step": step,
         "config": json.loads(json.dumps(cfg.to_dict())),
-        "data": {"seed": cfg.train.seed, "step": step},  # global batch s is a pure function of (seed, s)
+        # global batch s is a pure function of (seed, s) and, for a mixture, of its schedule (mixture.py)
+        "data": {"seed": cfg.train.seed, "step": step, **({"state": data_state} if data_state is not None else {})},
         "rng": "model random streams (dropout) derive from the keys in the state, the step and the device or row; "
         "data order from (train.seed, step)",
         "optimizer_layout": optimizer_layout,

@@ -111,6 +111,29 @@ class DataConfig:
     # validation: "auto" (the dataset's `validation` or `test` split when it has one, else documents held out of
     # data.split), a split's name, or "holdout" (always held out of data.split)
     val_split: str = "auto"
+    # A weighted mixture instead of data.source: entries {source: ..., weight: ..., label: ...} with any of
+    # SOURCE_KEYS for that source alone (docs/data.md#mixtures). In YAML a list; on the command line YAML's flow
+    # form: data.sources='[{source: data/web, weight: 3}, {source: stdlib, weight: 1}]'
+    sources: tuple = ()
+    # across: attention spans the whole packed window, positions count from its start (GPT-2's training);
+    # within: each document attends only to itself and its positions restart (docs/data.md); auto: within for
+    # fine-tuning data (data.format chat or prompt), across for text
+    document_attention: str = "auto"
+    # text: documents in data.text_column; chat: a `messages` column rendered with the tokenizer's chat template,
+    # the loss on assistant turns only; prompt: `prompt` and `completion` columns, the loss on the completion
+    format: str = "text"
+    chat_template: str = ""  # data.format=chat: a .jinja file or tokenizer_config.json; "": data.tokenizer's own
+    overlong: str = "truncate"  # a fine-tuning example longer than a window: truncate or drop it (counted either way)
+
+    @property
+    def within_documents(self) -> bool:
+        """Whether attention stays within documents (data.document_attention, auto resolved)."""
+        return self.document_attention == "within" or (self.document_attention == "auto" and self.format != "text")
+
+
+# What a data.sources entry may set for its source alone; the rest of data.* is the mixture's.
+SOURCE_KEYS = ("source", "weight", "label", "name", "split", "text_column", "text_unit", "val_split",
+               "encoding_errors", "val_tokens")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -201,7 +224,7 @@ _SECTION_TYPES = {
     "train": TrainConfig,
     "parallel": ParallelConfig,
 }
-_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "tuple": tuple}
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -235,6 +258,8 @@ def _did_you_mean(name: str, names: list[str]) -> str:
 
 def _coerce(where: str, typ: type, value: Any, from_text: bool) -> Any:
     """Check (file values) or parse (command-line text) one value against its field type."""
+    if typ is tuple:
+        return _sources(where, value, from_text)
     try:
         if typ is bool:
             if isinstance(value, bool):
@@ -259,6 +284,37 @@ def _coerce(where: str, typ: type, value: Any, from_text: bool) -> Any:
     except ValueError:
         pass
     raise ConfigError(f"{where}: expected {typ.__name__}, got {value!r}")
+
+
+def _sources(where: str, value: Any, from_text: bool) -> tuple:
+    """data.sources: a list of mappings (YAML, or its flow form on the command line), each checked for its keys."""
+    if from_text:
+        try:
+            value = yaml.safe_load(value) if str(value).strip() else []
+        except yaml.YAMLError as e:
+            raise ConfigError(
+                f"{where}: not valid YAML ({e}); write data.sources='[{{source: a, weight: 3}}, ...]'"
+            ) from None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(e, dict) for e in value):
+        raise ConfigError(
+            f"{where}: expected a list of sources, each a mapping like {{source: data/web, weight: 3}}; got {value!r}"
+        )
+    out = []
+    for i, entry in enumerate(value):
+        if unknown := [k for k in entry if k not in SOURCE_KEYS]:
+            hints = "".join(_did_you_mean(k, list(SOURCE_KEYS)) for k in unknown)
+            raise ConfigError(
+                f"{where}: source {i + 1} has unknown key(s) {', '.join(map(str, unknown))}{hints}; a source may "
+                f"set {', '.join(SOURCE_KEYS)}"
+            )
+        if "source" not in entry:
+            raise ConfigError(f"{where}: source {i + 1} ({entry}) has no 'source:' (a path, a hub name, or stdlib)")
+        typed = {}
+        for k, v in entry.items():
+            field_type = {"weight": float, "label": str}.get(k) or _field_type("data", k)
+            typed[k] = _coerce(f"{where}: source {i + 1} {k}", field_type, v, from_text=False)
+        out.append(typed)
+    return tuple(out)
 
 
 def resolve_config_path(name: str) -> Path:
@@ -375,6 +431,9 @@ CHOICES = {
     "model.arch": ("gpt", "llama"),
     "data.encoding_errors": ("strict", "replace", "ignore"),
     "data.text_unit": ("file", "line", "paragraph"),
+    "data.document_attention": ("auto", "across", "within"),
+    "data.format": ("text", "chat", "prompt"),
+    "data.overlong": ("truncate", "drop"),
     "optim.name": ("adamw", "sgd"),
     "parallel.strategy": strategies.names,  # looked up at each check: a strategy registered later counts
     "parallel.reduce_dtype": ("float32", "bfloat16"),
@@ -462,10 +521,61 @@ def model_problems(m: ModelConfig) -> list[str]:
     return problems
 
 
+def source_labels(sources: tuple) -> list[str]:
+    """Each data.sources entry's label: its `label:`, else its path's last name without glob or extension
+    (data/web/*.jsonl -> web, data/code.parquet -> code), else the hub name's last part."""
+    out = []
+    for entry in sources:
+        if entry.get("label"):
+            out.append(str(entry["label"]))
+            continue
+        parts = [p for p in str(entry["source"]).replace("\\", "/").split("/") if p and not set(p) & set("*?[")]
+        name = parts[-1] if parts else str(entry["source"])
+        out.append(name.split(".")[0] if "." in name[1:] else name)
+    return out
+
+
+def mixture_problems(d: DataConfig) -> list[str]:
+    """What a data.sources mixture gets wrong (each entry's keys were checked as it was read)."""
+    if not d.sources:
+        return []
+    problems = []
+    if d.source != DataConfig.source:
+        problems.append(
+            f"data.source={d.source} and data.sources are both set; a mixture names every source in data.sources "
+            f"(add {{source: {d.source}, weight: 1}} there and leave data.source out)"
+        )
+    if d.streaming:
+        problems.append("data.streaming=true with data.sources: a mixture of streamed sources is not supported yet")
+    if d.format != "text":
+        problems.append(f"data.format={d.format} with data.sources: a mixture of fine-tuning data is not supported yet")
+    for i, entry in enumerate(d.sources):
+        w = entry.get("weight", 1.0)
+        if not (math.isfinite(w) and w > 0):
+            problems.append(f"data.sources: source {i + 1} ({entry['source']}) has weight {w}; weights must be > 0")
+        for k, v in entry.items():
+            name = f"data.{k}"
+            if name in CHOICES and v not in (choices := choices_of(name)):
+                problems.append(f"data.sources: source {i + 1} {k}={v!r} must be one of {', '.join(choices)}")
+            elif name in RANGES and not RANGES[name][0](v):
+                problems.append(f"data.sources: source {i + 1} {k}={v} must be {RANGES[name][1]}")
+    labels = source_labels(d.sources)
+    if dupes := sorted({x for x in labels if labels.count(x) > 1}):
+        problems.append(
+            f"data.sources: more than one source is labelled {', '.join(dupes)} (labels name each source's metrics); "
+            f"give each a label: {{source: ..., label: NAME}}"
+        )
+    return problems
+
+
 def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Derived:
     """Everything about the config alone that can be wrong, checked before data or compilation."""
     m, d, t, par = cfg.model, cfg.data, cfg.train, cfg.parallel
-    problems = _value_problems(cfg) + model_problems(m)
+    problems = _value_problems(cfg) + model_problems(m) + mixture_problems(d)
+    if d.format != "text" and d.streaming:
+        problems.append(
+            f"data.format={d.format} with data.streaming=true: streamed fine-tuning data is not supported yet"
+        )
     if d.seq_len > m.max_seq_len:
         problems.append(
             f"data.seq_len={d.seq_len} is longer than the model supports (model.max_seq_len={m.max_seq_len}); "

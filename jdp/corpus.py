@@ -319,12 +319,21 @@ def _check_documents(cfg: DataConfig, ds, where: str) -> None:
     """The text column exists and holds text, and a map-style dataset has rows."""
     import datasets
 
-    if ds.column_names is not None and cfg.text_column not in ds.column_names:
+    needs = {"text": [cfg.text_column], "chat": ["messages"], "prompt": ["prompt", "completion"]}[cfg.format]
+    if ds.column_names is not None and (missing := [c for c in needs if c not in ds.column_names]):
+        hint = "set data.text_column"
+        if cfg.format == "text" and "messages" in ds.column_names:
+            hint += ", or data.format=chat for conversations"
+        elif cfg.format == "text" and {"prompt", "completion"} <= set(ds.column_names):
+            hint += ", or data.format=prompt for prompt/completion pairs"
+        elif cfg.format != "text":
+            hint = f"data.format={cfg.format} reads column(s) {', '.join(needs)}"
         raise ConfigError(
-            f"data.source={cfg.source}{where}: no column {cfg.text_column!r}; its columns are {ds.column_names} "
-            f"(set data.text_column)"
+            f"data.source={cfg.source}{where}: no column {missing[0]!r}; its columns are {ds.column_names} ({hint})"
         )
-    if not isinstance(ds, datasets.Dataset):
+    if not isinstance(ds, datasets.Dataset) or cfg.format != "text":
+        if isinstance(ds, datasets.Dataset) and len(ds) == 0:
+            raise ConfigError(f"data.source={cfg.source}{where}: the dataset is empty")
         return
     feature = ds.features[cfg.text_column]
     if getattr(feature, "dtype", None) not in ("string", "large_string"):

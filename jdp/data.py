@@ -6,6 +6,7 @@ windows on the fly (stream.py). Either way every problem is reported before comp
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -18,9 +19,14 @@ from jdp import stream
 from jdp.config import ConfigError, DataConfig
 from jdp.corpus import open_corpus
 from jdp.dataset import GlobalOrder
+from jdp.log import logger
+from jdp.mixture import MixtureBatches, Source, integer_weights
+from jdp.sft import ExampleBatches, load_examples
 from jdp.tokens import ByteTokenizer, HFTokenizer, Tokens, load_tokenizer, n_windows, tokenize, windows
 
 __all__ = ["Batches", "Data", "Prefetcher", "eval_batches", "load_data"]
+
+log = logger("jdp.data")
 
 
 class Batches:
@@ -68,15 +74,25 @@ class Data:
 
     def local_batch(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of global batch `step` (streams: the next batch; steps come in order)."""
-        if isinstance(self.train, Batches):
+        if isinstance(self.train, Batches | MixtureBatches | ExampleBatches):
             return self.train.batch(step, self.rows)
         return self.train.next_batch()
 
     def position(self) -> dict | None:
         """Where a streaming loader stands (its state_dict); None for map-style data, whose position is the step."""
-        return None if isinstance(self.train, Batches) else self.train.state_dict()
+        return None if isinstance(self.train, Batches | MixtureBatches | ExampleBatches) else self.train.state_dict()
 
     def describe(self) -> str:
+        if isinstance(self.train, ExampleBatches):
+            return f"{self.train.describe()} | tokenizer {self.tokenizer.name} (vocab {self.tokenizer.vocab_size})"
+        if isinstance(self.train, MixtureBatches):
+            m, tok = self.train, f"tokenizer {self.tokenizer.name} (vocab {self.tokenizer.vocab_size})"
+            val = (
+                f"val {sum(len(s.val) for s in m.sources):,} tokens"
+                if any(len(s.val) for s in m.sources)
+                else "no validation"
+            )
+            return f"mixture of {len(m.sources)} sources, {m.n:,} windows in all | {val} | {tok}"
         t, tok = self.tokens, f"tokenizer {self.tokenizer.name} (vocab {self.tokenizer.vocab_size})"
         if not len(t.val):
             val = "no validation"
@@ -110,7 +126,31 @@ def load_data(
             f"data.tokenizer={cfg.tokenizer} has {tokenizer.vocab_size} tokens but model.vocab_size={vocab_size}; "
             f"set model.vocab_size to at least {tokenizer.vocab_size} (a multiple of 64 is fastest)"
         )
+    if cfg.sources:
+        return Data(tokenizer, Tokens(np.zeros(0, np.uint16), np.zeros(0, np.uint16), 0, 0),
+                    load_mixture(cfg, tokenizer, batch_size, seed), rows)  # fmt: skip
     corpus = open_corpus(cfg, streaming=cfg.streaming)
+    if cfg.format != "text":  # fine-tuning examples, packed whole into windows (sft.py)
+        train_ex, val_ex = load_examples(corpus, tokenizer, cfg, seed)
+        if len(train_ex.tokens) < batch_size:
+            raise ConfigError(
+                f"data.source={cfg.source}: {train_ex.describe()}, fewer windows than one global batch "
+                f"(train.batch_size={batch_size}); use more data, a longer data.seq_len or a smaller batch"
+            )
+        if train_ex.answer_tokens == 0:
+            raise ConfigError(
+                f"data.source={cfg.source}: no training example keeps a token of its answer ({train_ex.describe()}): "
+                f"they are longer than data.seq_len={cfg.seq_len} and their answers come last; raise data.seq_len "
+                f"(and model.max_seq_len)"
+            )
+        if train_ex.truncated or train_ex.dropped:
+            log.warning(f"data.overlong={cfg.overlong}: {train_ex.describe()}")
+        if cfg.val_tokens > 0 and not len(val_ex.tokens):
+            raise ConfigError(f"data.source={cfg.source}: no validation examples; raise data.val_tokens or set it to 0")
+        empty = Tokens(np.zeros(0, np.uint16), np.zeros(0, np.uint16), train_ex.n_examples, 0)
+        return Data(
+            tokenizer, empty, ExampleBatches(train_ex, val_ex, batch_size, seed), rows, corpus.unit, corpus.val_split
+        )
     if cfg.streaming:
         val, held_out = stream.hold_out(corpus.train if corpus.val is None else corpus.val, tokenizer, cfg)
         exclude = held_out if corpus.val is None else set()  # a validation split shares no documents with training
@@ -136,6 +176,38 @@ def load_data(
             f"data.val_tokens={cfg.val_tokens} holds out fewer than data.seq_len+1 tokens; raise it (or 0 for no evaluation)"
         )
     return Data(tokenizer, tokens, train, rows, corpus.unit, corpus.val_split)
+
+
+def load_mixture(cfg: DataConfig, tokenizer, batch_size: int, seed: int) -> MixtureBatches:
+    """data.sources: each source opened, checked and tokenized as data.source would be (its own keys over the
+    mixture's), then the schedule of rows (mixture.py)."""
+    from jdp.config import SOURCE_KEYS, source_labels
+
+    sources = []
+    for entry, label in zip(cfg.sources, source_labels(cfg.sources), strict=True):
+        own = {k: v for k, v in entry.items() if k in SOURCE_KEYS and k not in ("weight", "label")}
+        sub = dataclasses.replace(cfg, sources=(), **own)
+        corpus = open_corpus(sub)
+        tokens = tokenize(corpus.train, tokenizer, sub, seed, corpus.val)
+        if n_windows(tokens.train, cfg.seq_len) == 0:
+            raise ConfigError(
+                f"data.sources: source {label!r} ({sub.source}) holds {len(tokens.train)} training tokens, not one "
+                f"window of data.seq_len+1={cfg.seq_len + 1}; give it more data or leave it out"
+            )
+        if sub.val_tokens > 0 and n_windows(tokens.val, cfg.seq_len) == 0:
+            raise ConfigError(
+                f"data.sources: source {label!r} ({sub.source}) holds out {len(tokens.val)} validation tokens, fewer "
+                f"than data.seq_len+1={cfg.seq_len + 1}; raise its val_tokens, or set val_tokens: 0 for that source"
+            )
+        sources.append(Source(label, tokens.train, tokens.n_docs, tokens.n_empty, tokens.val))
+    weights = integer_weights([float(e.get("weight", 1.0)) for e in cfg.sources])
+    mixture = MixtureBatches(sources, weights, cfg.seq_len, batch_size, seed)
+    if mixture.n < batch_size:
+        raise ConfigError(
+            f"data.sources: {mixture.n} training windows in all, fewer than one global batch "
+            f"(train.batch_size={batch_size}); use more data, a shorter seq_len or a smaller batch"
+        )
+    return mixture
 
 
 class Prefetcher:

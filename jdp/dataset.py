@@ -33,8 +33,9 @@ class GlobalOrder:
     front and none waits for a batch another lacks. Nothing here depends on the number of processes.
     """
 
-    def __init__(self, n: int, batch_size: int, seed: int):
-        self.n, self.batch_size, self.seed = n, batch_size, seed
+    def __init__(self, n: int, batch_size: int, seed: int, stream: int = 0):
+        """`stream`: which of the seed's independent orders (0: the single source's; k+1: a mixture's source k)."""
+        self.n, self.batch_size, self.seed, self.stream = n, batch_size, seed, stream
         self._perms: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()  # the prefetch thread and the loop may both ask
 
@@ -43,14 +44,17 @@ class GlobalOrder:
             if epoch not in self._perms:
                 if len(self._perms) > 2:
                     self._perms.pop(min(self._perms))
-                self._perms[epoch] = np.random.default_rng([self.seed, 0, epoch]).permutation(self.n)
+                self._perms[epoch] = np.random.default_rng([self.seed, self.stream, epoch]).permutation(self.n)
             return self._perms[epoch]
 
     def indices(self, step: int) -> np.ndarray:
         """Row indices of global batch `step` (0-based)."""
-        pos = step * self.batch_size + np.arange(self.batch_size)
-        epochs, within = np.divmod(pos, self.n)
-        out = np.empty(self.batch_size, np.int64)
+        return self.at(step * self.batch_size + np.arange(self.batch_size))
+
+    def at(self, pos: np.ndarray) -> np.ndarray:
+        """Row indices at positions `pos` of the endless order."""
+        epochs, within = np.divmod(np.asarray(pos, np.int64), self.n)
+        out = np.empty(len(epochs), np.int64)
         for e in np.unique(epochs):
             sel = epochs == e
             out[sel] = self._perm(int(e))[within[sel]]

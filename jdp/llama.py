@@ -66,10 +66,11 @@ def rope_frequencies(m: ModelConfig) -> np.ndarray:
     return np.where(medium, blended, scaled).astype(np.float32)
 
 
-def rope_tables(m: ModelConfig, L: int, dtype) -> tuple[jax.Array, jax.Array]:
+def rope_tables(m: ModelConfig, L: int, dtype, positions_BxL: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """cos and sin (LxK, in `dtype`) of position x frequency, each frequency twice (transformers' cat(freqs,
-    freqs)); positions start at 0 in every window."""
-    angles_LxK2 = jnp.arange(L, dtype=jnp.float32)[:, None] * jnp.asarray(rope_frequencies(m))[None, :]
+    freqs)); positions start at 0 in every window, or are `positions_BxL` (then the tables are BxLxK)."""
+    at = jnp.arange(L) if positions_BxL is None else positions_BxL
+    angles_LxK2 = at.astype(jnp.float32)[..., None] * jnp.asarray(rope_frequencies(m))
     angles_LxK = jnp.concatenate([angles_LxK2, angles_LxK2], axis=-1)
     return jnp.cos(angles_LxK).astype(dtype), jnp.sin(angles_LxK).astype(dtype)
 
@@ -79,7 +80,7 @@ def rope(x_BxLxHxK: jax.Array, cos_LxK: jax.Array, sin_LxK: jax.Array) -> jax.Ar
     Face's q_proj and k_proj import without a permutation)."""
     K = x_BxLxHxK.shape[-1]
     rotated = jnp.concatenate([-x_BxLxHxK[..., K // 2 :], x_BxLxHxK[..., : K // 2]], axis=-1)
-    return x_BxLxHxK * cos_LxK[:, None, :] + rotated * sin_LxK[:, None, :]
+    return x_BxLxHxK * cos_LxK[..., None, :] + rotated * sin_LxK[..., None, :]  # LxK, or BxLxK per sequence
 
 
 class Attention(nnx.Module):
@@ -94,11 +95,12 @@ class Attention(nnx.Module):
         self.v = _linear(cfg, D, self.G * self.K, 0.02, rngs, cfg.qkv_bias)
         self.o = _linear(cfg, self.H * self.K, D, residual_std, rngs)
 
-    def __call__(self, x_NxD: jax.Array, B: int, L: int, cos_LxK: jax.Array, sin_LxK: jax.Array) -> jax.Array:
+    def __call__(self, x_NxD: jax.Array, B: int, L: int, cos_LxK: jax.Array, sin_LxK: jax.Array,
+                 segments_BxL: jax.Array | None = None) -> jax.Array:  # fmt: skip
         q_BxLxHxK = rope(self.q(x_NxD).reshape(B, L, self.H, self.K), cos_LxK, sin_LxK)
         k_BxLxGxK = rope(self.k(x_NxD).reshape(B, L, self.G, self.K), cos_LxK, sin_LxK)
         v_BxLxGxK = self.v(x_NxD).reshape(B, L, self.G, self.K)
-        y_BxLxHxK = attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, self.kind)
+        y_BxLxHxK = attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, self.kind, segments_BxL)
         return self.o(y_BxLxHxK.reshape(B * L, self.H * self.K))
 
 
@@ -124,8 +126,9 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x_NxD: jax.Array, B: int, L: int, cos_LxK: jax.Array, sin_LxK: jax.Array) -> jax.Array:
-        x_NxD = x_NxD + self.attn(self.attn_norm(x_NxD), B, L, cos_LxK, sin_LxK)
+    def __call__(self, x_NxD: jax.Array, B: int, L: int, cos_LxK: jax.Array, sin_LxK: jax.Array,
+                 segments_BxL: jax.Array | None = None) -> jax.Array:  # fmt: skip
+        x_NxD = x_NxD + self.attn(self.attn_norm(x_NxD), B, L, cos_LxK, sin_LxK, segments_BxL)
         return x_NxD + self.mlp(self.mlp_norm(x_NxD))
 
 
@@ -151,14 +154,17 @@ class Llama(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = _linear(cfg, cfg.d_model, cfg.vocab_size, 0.02, rngs)
 
-    def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
-        """Logits (float32) for the next token at every position."""
+    def __call__(
+        self, tokens_BxL: jax.Array, segments_BxL: jax.Array | None = None, positions_BxL: jax.Array | None = None
+    ) -> jax.Array:
+        """Logits (float32) for the next token at every position; with `segments_BxL` and `positions_BxL`, attention
+        within each document and rotary positions restarting at each (data.document_attention=within)."""
         B, L = tokens_BxL.shape
-        cos_LxK, sin_LxK = rope_tables(self.cfg, L, self.cfg.dtype)
+        cos_LxK, sin_LxK = rope_tables(self.cfg, L, self.cfg.dtype, positions_BxL)
         # As GPT's: the tokens are one flat axis between attentions, so every projection is a 2-D matmul.
         x_NxD = self.embed(tokens_BxL).reshape(B * L, -1)
         for block in self.blocks:
-            x_NxD = block(x_NxD, B, L, cos_LxK, sin_LxK)
+            x_NxD = block(x_NxD, B, L, cos_LxK, sin_LxK, segments_BxL)
         x_NxD = self.norm(x_NxD)
         logits = self.embed.attend(x_NxD) if self.cfg.tie_embeddings else self.lm_head(x_NxD)
         logits_NxV = logits.astype(jnp.float32)

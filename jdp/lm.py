@@ -16,8 +16,11 @@ from jdp.data import Data, eval_batches, load_data
 from jdp.log import logger
 from jdp.memory import check_memory
 from jdp.metrics import flops_per_token
+from jdp.mixture import MixtureBatches
 from jdp.model import lm_loss, make_model
 from jdp.optim import make_optimizer
+from jdp.sft import ExampleBatches
+from jdp.tokens import documents
 from jdp.trainer import Trainer
 from jdp.world import World
 
@@ -97,10 +100,13 @@ class Text:
 
     def __init__(self, data: Data, cfg: Config):
         self.data, self.train = data, data.train
-        self.seq_len, self.batch_size = cfg.data.seq_len, cfg.train.batch_size
+        self.seq_len, self.batch_size, self.steps = cfg.data.seq_len, cfg.train.batch_size, cfg.train.steps
+        within = cfg.data.within_documents
+        eod = data.tokenizer.eod_id
+        self.documents = (lambda batch: documents(batch, eod)) if within else (lambda batch: batch)
 
     def local_batch(self, step: int) -> dict[str, np.ndarray]:
-        return self.data.local_batch(step)
+        return self.documents(self.data.local_batch(step))
 
     def position(self):
         """Where a streaming loader stands; None for map-style windows, whose position is the step."""
@@ -115,9 +121,38 @@ class Text:
     def describe(self) -> str:
         return self.data.describe()
 
+    def describe_sources(self) -> list[str]:
+        """A mixture's sources, one line each (none for one source)."""
+        return self.train.describe(self.steps) if isinstance(self.train, MixtureBatches) else []
+
+    def stats(self, step: int) -> dict:
+        """A mixture's per-source tokens and epochs after `step` steps, for metrics.jsonl ({} for one source)."""
+        return self.train.stats(step) if isinstance(self.train, MixtureBatches) else {}
+
+    def summary(self, step: int) -> dict:
+        """summary.json's per-source account after `step` steps ({} for one source)."""
+        return self.train.summary(step) if isinstance(self.train, MixtureBatches) else {}
+
+    def state(self) -> dict | None:
+        """What the checkpoint record keeps of the data besides the step: a mixture's schedule."""
+        return self.train.state() if isinstance(self.train, MixtureBatches) else None
+
+    def restore(self, saved: dict, step: int) -> str:
+        return self.train.restore(saved, step) if isinstance(self.train, MixtureBatches) else ""
+
     def eval_batches(self):
         """Every validation window once, in order; the last batch padded with zero-weight rows."""
-        return eval_batches(self.data.tokens.val, self.seq_len, self.batch_size, self.data.rows)
+        if isinstance(self.train, ExampleBatches):
+            return map(self.documents, self.train.eval_batches(self.data.rows))
+        batches = eval_batches(self.data.tokens.val, self.seq_len, self.batch_size, self.data.rows)
+        return map(self.documents, batches)
+
+    def eval_sets(self) -> list[tuple[str, object]]:
+        """A mixture's validation sets, one per source with validation windows: (label, its batches)."""
+        if not isinstance(self.train, MixtureBatches):
+            return [("", self.eval_batches())]
+        return [(s.label, map(self.documents, eval_batches(s.val, self.seq_len, self.batch_size, self.data.rows)))
+                for s in self.train.sources if len(s.val) > self.seq_len]  # fmt: skip
 
 
 def checked_import(cfg: Config, explicit: frozenset[str] = frozenset()) -> tuple[Config, list[str]]:

@@ -270,10 +270,12 @@ class StepMeter:
     """Turns each finished step's metrics into metrics.jsonl records: throughput and MFU since the previous record
     (the interval that includes compilation reports none), data wait, and the non-finite steps skipped."""
 
-    def __init__(self, cfg: Config, tokens_per_step: int, peak: float, epoch_of, flops_per_token: float = 0.0):
+    def __init__(self, cfg: Config, tokens_per_step: int, peak: float, epoch_of, flops_per_token: float = 0.0,
+                 stats_of=None):  # fmt: skip
         """tokens_per_step: what the model counts per step (tokens, or rows); flops_per_token: training FLOPs per
-        one of them (0: unknown, no MFU)."""
+        one of them (0: unknown, no MFU); stats_of(step): the loader's own numbers (a mixture's per source)."""
         self.cfg, self.tokens_per_step, self.peak, self.epoch_of = cfg, tokens_per_step, peak, epoch_of
+        self.stats_of = stats_of or (lambda step: {})
         self.flops_per_token = flops_per_token
         self.t: float | None = None  # when the current throughput interval started
         self.tokens = 0  # tokens trained in it
@@ -314,6 +316,7 @@ class StepMeter:
                 "data_wait_s": data_wait_s - self.wait,
                 "skipped_steps": self.skipped,  # non-finite updates skipped since the previous record
                 "skipped_total": self.bad_total,
+                **self.stats_of(step),
             }
             self.wait, self.skipped = data_wait_s, 0
         if self.t is None or tps is not None:

@@ -48,12 +48,12 @@ class CausalSelfAttention(nnx.Module):
         self.qkv = _linear(cfg, cfg.d_model, 3 * cfg.d_model, 0.02, rngs)
         self.out = _linear(cfg, cfg.d_model, cfg.d_model, residual_std, rngs)
 
-    def __call__(self, x_NxD: jax.Array, B: int, L: int) -> jax.Array:
+    def __call__(self, x_NxD: jax.Array, B: int, L: int, segments_BxL: jax.Array | None = None) -> jax.Array:
         D = x_NxD.shape[-1]
         H, K = self.n_heads, D // self.n_heads
         qkv_Nx3D = self.qkv(x_NxD)
         q, k, v = qkv_Nx3D.reshape(B, L, 3, H, K).transpose(2, 0, 1, 3, 4)  # each BxLxHxK
-        return self.out(attention(q, k, v, self.attention).reshape(B * L, D))
+        return self.out(attention(q, k, v, self.attention, segments_BxL).reshape(B * L, D))
 
 
 class MLP(nnx.Module):
@@ -75,8 +75,8 @@ class Block(nnx.Module):
         self.norm2 = _norm(cfg, rngs)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x_NxD: jax.Array, B: int, L: int) -> jax.Array:
-        x_NxD = x_NxD + self.attn(self.norm1(x_NxD), B, L)
+    def __call__(self, x_NxD: jax.Array, B: int, L: int, segments_BxL: jax.Array | None = None) -> jax.Array:
+        x_NxD = x_NxD + self.attn(self.norm1(x_NxD), B, L, segments_BxL)
         return x_NxD + self.mlp(self.norm2(x_NxD))
 
 
@@ -99,15 +99,19 @@ class GPT(nnx.Module):
         self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
         self.norm = _norm(cfg, rngs)
 
-    def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
-        """Logits (float32) for the next token at every position."""
+    def __call__(
+        self, tokens_BxL: jax.Array, segments_BxL: jax.Array | None = None, positions_BxL: jax.Array | None = None
+    ) -> jax.Array:
+        """Logits (float32) for the next token at every position. With `segments_BxL` and `positions_BxL`
+        (data.document_attention=within) attention stays within each document and positions restart at each."""
         B, L = tokens_BxL.shape
-        x_BxLxD = self.embed(tokens_BxL) + self.pos_embed[:L].astype(self.cfg.dtype)
+        positions = self.pos_embed[:L] if positions_BxL is None else self.pos_embed[...][positions_BxL]
+        x_BxLxD = self.embed(tokens_BxL) + positions.astype(self.cfg.dtype)
         # Between attentions the tokens are one flat axis, so every projection is a plain 2-D matrix multiply
         # (XLA on CPU runs the 3-D weight-gradient contractions at half the speed).
         x_NxD = x_BxLxD.reshape(B * L, -1)
         for block in self.blocks:
-            x_NxD = block(x_NxD, B, L)
+            x_NxD = block(x_NxD, B, L, segments_BxL)
         logits_NxV = self.embed.attend(self.norm(x_NxD)).astype(jnp.float32)
         V, valid = self.cfg.vocab_size, self.cfg.vocab_valid
         if 0 < valid < V:  # the rows padded onto an imported vocabulary never get probability
@@ -132,7 +136,10 @@ def lm_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, 
     Returning sums, not a mean, is what lets the data-parallel step form the exact global
     token-weighted mean however unevenly padding falls across devices.
     """
-    logits_BxLxV = model(batch["inputs"])
+    if "segments" in batch:  # data.document_attention=within: each document of a packed window on its own
+        logits_BxLxV = model(batch["inputs"], batch["segments"], batch["positions"])
+    else:
+        logits_BxLxV = model(batch["inputs"])
     nll_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, batch["targets"])
     weights_BxL = batch["weights"].astype(jnp.float32)
     return jnp.sum(nll_BxL * weights_BxL), jnp.sum(weights_BxL)

@@ -21,6 +21,7 @@ __all__ = [
     "ByteTokenizer",
     "HFTokenizer",
     "Tokens",
+    "documents",
     "load_tokenizer",
     "n_windows",
     "tokenize",
@@ -244,3 +245,16 @@ def windows(stream: np.ndarray, idx: np.ndarray, seq_len: int) -> dict[str, np.n
     w = stream[starts].astype(np.int32)
     weights = np.repeat(valid[:, None], seq_len, axis=1).astype(np.float32)
     return {"inputs": w[:, :-1], "targets": w[:, 1:], "weights": weights}
+
+
+def documents(batch: dict[str, np.ndarray], eod_id: int) -> dict[str, np.ndarray]:
+    """The batch with `segments` and `positions` (data.document_attention=within): each end-of-document token
+    starts the next document (it is that document's first input, as a beginning-of-sequence token would be), the
+    tokens of one document share a segment id, and positions count from 0 at each document's start. A window's
+    first tokens continue a document cut by the window's start; they count from 0 too."""
+    inputs = batch["inputs"]
+    starts = inputs == eod_id
+    segments = np.cumsum(starts, axis=1, dtype=np.int32)
+    at = np.broadcast_to(np.arange(inputs.shape[1], dtype=np.int32), inputs.shape)
+    first = np.maximum.accumulate(np.where(starts, at, 0), axis=1)
+    return {**batch, "segments": segments, "positions": (at - first).astype(np.int32)}

@@ -225,8 +225,9 @@ class Trainer:
         metrics = MetricsLog(run_dir.metrics, enabled=is_main, tensorboard=t.tensorboard,
                              wandb_project=t.wandb_project, config=cfg.to_dict(), resume_step=resumed_from,
                              missing_steps=missing)  # fmt: skip
-        meter = StepMeter(cfg, derived.tokens_per_step, peak, data.epoch, self.flops_per_unit())
-        record = steps.recorder(cfg)
+        meter = StepMeter(cfg, derived.tokens_per_step, peak, data.epoch, self.flops_per_unit(),
+                          getattr(data, "stats", None))  # fmt: skip
+        record = steps.recorder(cfg, getattr(data, "state", None))
         callbacks = [ReplicaCheck(t.check_replicas_every)]
         if eval_data is not None:
             callbacks.append(Evaluate(t.eval_every or t.steps))
@@ -256,6 +257,9 @@ class Trainer:
         state = steps.after_restore(state, record)
         if data.position() is not None:  # a loader with a position of its own (streaming) takes it back
             data.load_position(stream_position(run_dir, start))
+        if (saved := record.get("data", {}).get("state")) is not None and hasattr(data, "restore"):
+            if change := data.restore(saved, start):  # a mixture's schedule, reweighted if the weights changed
+                log.info(change)
         return ckpts, start, state
 
 
@@ -297,10 +301,12 @@ class Steps:
             log.info(comm_change(record.get("comm"), self.comm))
         return state
 
-    def recorder(self, cfg: Config) -> Callable[[int], dict]:
+    def recorder(self, cfg: Config, data_state=None) -> Callable[[int], dict]:
+        """step -> the checkpoint record; `data_state()`: what the loader keeps besides the step (a mixture's
+        schedule, the same on every process), read when the record is made."""
         layout, comm = self.layout.to_record(), self.comm
         shapes = [list(x.shape) for x in jax.tree.leaves(self.state.param_shapes())]
-        return lambda step: make_record(cfg, step, layout, comm, shapes)
+        return lambda step: make_record(cfg, step, layout, comm, shapes, data_state() if data_state else None)
 
 
 def apply_xla_options(cfg: Config) -> None:
@@ -493,6 +499,7 @@ def banner(cfg: Config, world: World, derived, model_line: str, data, run_dir, r
         f"{compression(par)} | "
         f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
         f"data {data.describe()}{epochs}",
+        *(f"data | {line}" for line in getattr(data, "describe_sources", list)()),
         f"run dir {run_dir.path} | {where} | compile cache {cache or 'off (train.compile_cache=false)'}",
     ]
 
@@ -526,11 +533,18 @@ def finish(run: Run, world: World, derived: Derived, r: Result) -> dict:
         "params_sha256": params_sha256(r.state.params, r.state.shapes),
         "params_fingerprint": fingerprint(r.state.params, r.state.shapes),
     }
+    if sources := getattr(run.data, "summary", lambda step: {})(r.done):  # a mixture: each source's account
+        summary["sources"] = sources
     if jax.process_index() == 0:
         run.run_dir.summary.write_text(json.dumps(summary, indent=1))
         if not r.preempted:
             evaluated = f", eval_loss {r.last['eval_loss']:.4f}" if "eval_loss" in r.last else ""
             log.info(f"done: loss {r.last.get('loss', float('nan')):.4f}{evaluated}")
+            for label, n in summary.get("sources", {}).items():
+                log.info(
+                    f"source {label}: {n['tokens_trained']:,} tokens trained ({n['share_trained']:.1%} of them, "
+                    f"weight {n['share']:.1%}), {n['epochs']:.3f} epochs of its {n['documents']:,} documents"
+                )
     return {
         **r.last,
         "state": r.state,
