@@ -545,8 +545,6 @@ def mixture_problems(d: DataConfig) -> list[str]:
             f"data.source={d.source} and data.sources are both set; a mixture names every source in data.sources "
             f"(add {{source: {d.source}, weight: 1}} there and leave data.source out)"
         )
-    if d.streaming:
-        problems.append("data.streaming=true with data.sources: a mixture of streamed sources is not supported yet")
     if d.format != "text":
         problems.append(f"data.format={d.format} with data.sources: a mixture of fine-tuning data is not supported yet")
     for i, entry in enumerate(d.sources):

@@ -20,7 +20,7 @@ from jdp.config import ConfigError, DataConfig
 from jdp.corpus import open_corpus
 from jdp.dataset import GlobalOrder
 from jdp.log import logger
-from jdp.mixture import MixtureBatches, Source, integer_weights
+from jdp.mixture import MixtureBatches, Source, StreamMixture, integer_weights
 from jdp.sft import ExampleBatches, load_examples
 from jdp.tokens import ByteTokenizer, HFTokenizer, Tokens, load_tokenizer, n_windows, tokenize, windows
 
@@ -76,6 +76,8 @@ class Data:
         """This process's rows of global batch `step` (streams: the next batch; steps come in order)."""
         if isinstance(self.train, Batches | MixtureBatches | ExampleBatches):
             return self.train.batch(step, self.rows)
+        if isinstance(self.train, StreamMixture):  # this process's rows are its own already
+            return self.train.batch(step)
         return self.train.next_batch()
 
     def position(self) -> dict | None:
@@ -85,8 +87,10 @@ class Data:
     def describe(self) -> str:
         if isinstance(self.train, ExampleBatches):
             return f"{self.train.describe()} | tokenizer {self.tokenizer.name} (vocab {self.tokenizer.vocab_size})"
-        if isinstance(self.train, MixtureBatches):
+        if isinstance(self.train, MixtureBatches | StreamMixture):
             m, tok = self.train, f"tokenizer {self.tokenizer.name} (vocab {self.tokenizer.vocab_size})"
+            if isinstance(m, StreamMixture):
+                return f"streaming mixture of {len(m.sources)} sources, each process its own shards of each | {tok}"
             val = (
                 f"val {sum(len(s.val) for s in m.sources):,} tokens"
                 if any(len(s.val) for s in m.sources)
@@ -127,8 +131,8 @@ def load_data(
             f"set model.vocab_size to at least {tokenizer.vocab_size} (a multiple of 64 is fastest)"
         )
     if cfg.sources:
-        return Data(tokenizer, Tokens(np.zeros(0, np.uint16), np.zeros(0, np.uint16), 0, 0),
-                    load_mixture(cfg, tokenizer, batch_size, seed), rows)  # fmt: skip
+        mixture = load_mixture(cfg, tokenizer, batch_size, seed, rows, rank, world)
+        return Data(tokenizer, Tokens(np.zeros(0, np.uint16), np.zeros(0, np.uint16), 0, 0), mixture, rows)
     corpus = open_corpus(cfg, streaming=cfg.streaming)
     if cfg.format != "text":  # fine-tuning examples, packed whole into windows (sft.py)
         train_ex, val_ex = load_examples(corpus, tokenizer, cfg, seed)
@@ -178,16 +182,31 @@ def load_data(
     return Data(tokenizer, tokens, train, rows, corpus.unit, corpus.val_split)
 
 
-def load_mixture(cfg: DataConfig, tokenizer, batch_size: int, seed: int) -> MixtureBatches:
-    """data.sources: each source opened, checked and tokenized as data.source would be (its own keys over the
-    mixture's), then the schedule of rows (mixture.py)."""
+def load_mixture(
+    cfg: DataConfig, tokenizer, batch_size: int, seed: int, rows: slice, rank: int = 0, world: int = 1
+) -> MixtureBatches | StreamMixture:
+    """data.sources: each source opened, checked and tokenized (or streamed) as data.source would be (its own keys
+    over the mixture's), then the schedule of rows (mixture.py)."""
     from jdp.config import SOURCE_KEYS, source_labels
 
-    sources = []
+    sources, streams = [], []
+    weights = integer_weights([float(e.get("weight", 1.0)) for e in cfg.sources])
     for entry, label in zip(cfg.sources, source_labels(cfg.sources), strict=True):
         own = {k: v for k, v in entry.items() if k in SOURCE_KEYS and k not in ("weight", "label")}
         sub = dataclasses.replace(cfg, sources=(), **own)
-        corpus = open_corpus(sub)
+        corpus = open_corpus(sub, streaming=cfg.streaming)
+        if cfg.streaming:  # validation: the head of the stream (or its split), skipped by training, as for one
+            val, held = stream.hold_out(corpus.train if corpus.val is None else corpus.val, tokenizer, sub)
+            exclude = held if corpus.val is None else set()
+            if sub.val_tokens > 0 and n_windows(val, cfg.seq_len) == 0:
+                raise ConfigError(
+                    f"data.sources: source {label!r} ({sub.source}) holds out {len(val)} validation tokens, fewer "
+                    f"than data.seq_len+1={cfg.seq_len + 1}; raise its val_tokens, or set val_tokens: 0 for it"
+                )
+            streams.append(stream.StreamBatches(corpus.train, tokenizer, sub, rows.stop - rows.start, rank, world,
+                                                exclude))  # fmt: skip
+            sources.append(Source(label, np.zeros(0, np.uint16), 0, 0, val))
+            continue
         tokens = tokenize(corpus.train, tokenizer, sub, seed, corpus.val)
         if n_windows(tokens.train, cfg.seq_len) == 0:
             raise ConfigError(
@@ -200,7 +219,8 @@ def load_mixture(cfg: DataConfig, tokenizer, batch_size: int, seed: int) -> Mixt
                 f"than data.seq_len+1={cfg.seq_len + 1}; raise its val_tokens, or set val_tokens: 0 for that source"
             )
         sources.append(Source(label, tokens.train, tokens.n_docs, tokens.n_empty, tokens.val))
-    weights = integer_weights([float(e.get("weight", 1.0)) for e in cfg.sources])
+    if cfg.streaming:
+        return StreamMixture(streams, sources, weights, cfg.seq_len, batch_size, rows)
     mixture = MixtureBatches(sources, weights, cfg.seq_len, batch_size, seed)
     if mixture.n < batch_size:
         raise ConfigError(

@@ -16,7 +16,7 @@ from jdp.data import Data, eval_batches, load_data
 from jdp.log import logger
 from jdp.memory import check_memory
 from jdp.metrics import flops_per_token
-from jdp.mixture import MixtureBatches
+from jdp.mixture import Mixture
 from jdp.model import lm_loss, make_model
 from jdp.optim import make_optimizer
 from jdp.sft import ExampleBatches
@@ -123,22 +123,22 @@ class Text:
 
     def describe_sources(self) -> list[str]:
         """A mixture's sources, one line each (none for one source)."""
-        return self.train.describe(self.steps) if isinstance(self.train, MixtureBatches) else []
+        return self.train.describe(self.steps) if isinstance(self.train, Mixture) else []
 
     def stats(self, step: int) -> dict:
         """A mixture's per-source tokens and epochs after `step` steps, for metrics.jsonl ({} for one source)."""
-        return self.train.stats(step) if isinstance(self.train, MixtureBatches) else {}
+        return self.train.stats(step) if isinstance(self.train, Mixture) else {}
 
     def summary(self, step: int) -> dict:
         """summary.json's per-source account after `step` steps ({} for one source)."""
-        return self.train.summary(step) if isinstance(self.train, MixtureBatches) else {}
+        return self.train.summary(step) if isinstance(self.train, Mixture) else {}
 
     def state(self) -> dict | None:
         """What the checkpoint record keeps of the data besides the step: a mixture's schedule."""
-        return self.train.state() if isinstance(self.train, MixtureBatches) else None
+        return self.train.state() if isinstance(self.train, Mixture) else None
 
     def restore(self, saved: dict, step: int) -> str:
-        return self.train.restore(saved, step) if isinstance(self.train, MixtureBatches) else ""
+        return self.train.restore(saved, step) if isinstance(self.train, Mixture) else ""
 
     def eval_batches(self):
         """Every validation window once, in order; the last batch padded with zero-weight rows."""
@@ -149,7 +149,7 @@ class Text:
 
     def eval_sets(self) -> list[tuple[str, object]]:
         """A mixture's validation sets, one per source with validation windows: (label, its batches)."""
-        if not isinstance(self.train, MixtureBatches):
+        if not isinstance(self.train, Mixture):
             return [("", self.eval_batches())]
         return [(s.label, map(self.documents, eval_batches(s.val, self.seq_len, self.batch_size, self.data.rows)))
                 for s in self.train.sources if len(s.val) > self.seq_len]  # fmt: skip

@@ -24,7 +24,7 @@ import numpy as np
 
 from jdp.config import ConfigError
 
-__all__ = ["Pattern", "Schedule", "integer_weights"]
+__all__ = ["Mixture", "MixtureBatches", "Pattern", "Schedule", "StreamMixture", "integer_weights"]
 
 MAX_PERIOD = 10_000  # rows in one period of the pattern; finer weights are rounded to 1/10,000 (said at start)
 
@@ -141,7 +141,50 @@ class Source:
     val: np.ndarray
 
 
-class MixtureBatches:
+class Mixture:
+    """What both kinds of mixture share: the sources' labels and the schedule of rows, with what follows from it
+    (each source's rows and tokens, the state a checkpoint keeps, a reweighted resume)."""
+
+    labels: list[str]
+    weights: tuple[int, ...]
+    schedule: Schedule
+    seq_len: int
+    batch_size: int
+
+    def given(self, step: int) -> np.ndarray:
+        """Rows each source has given to the first `step` batches."""
+        return self.schedule.counts(step * self.batch_size)
+
+    def shares(self) -> list[float]:
+        w = np.asarray(self.schedule.segments[-1].weights, float)
+        return list(w / w.sum())
+
+    def state(self) -> dict:
+        """What a checkpoint keeps: the schedule (its segments), the same on every process."""
+        return {"sources": list(self.labels), "schedule": self.schedule.to_json()}
+
+    def restore(self, saved: dict, step: int) -> str:
+        """Continue from a checkpoint at `step` with today's weights; returns what changed ('' when nothing did)."""
+        if saved.get("sources") != list(self.labels):
+            raise ConfigError(
+                f"the checkpoint's mixture has sources {saved.get('sources')}, this run {list(self.labels)}; resume "
+                f"with the same data.sources (only their weights may change)"
+            )
+        schedule = Schedule.from_json(saved["schedule"])
+        old = schedule.segments[-1].weights
+        self.schedule = schedule.reweighted(self.weights, step * self.batch_size)
+        if old == self.weights:
+            return ""
+        return (
+            f"data.sources weights {':'.join(map(str, old))} -> {':'.join(map(str, self.weights))} from step "
+            f"{step}: every source goes on where it stood ({self.where(step)})"
+        )
+
+    def where(self, step: int) -> str:
+        raise NotImplementedError
+
+
+class MixtureBatches(Mixture):
     """The training batches of a mixture: global batch `step` is a pure function of (seed, step, the schedule).
 
     Row p of the batches goes to the source the schedule names, as that source's q-th row: entry q of its own
@@ -152,6 +195,7 @@ class MixtureBatches:
         from jdp.tokens import n_windows
 
         self.sources, self.seq_len, self.batch_size, self.seed = sources, seq_len, batch_size, seed
+        self.labels = [s.label for s in sources]
         self.weights = tuple(weights)
         self.schedule = Schedule(self.weights)
         self.sizes = np.asarray([n_windows(s.stream, seq_len) for s in sources], np.int64)
@@ -182,10 +226,6 @@ class MixtureBatches:
                 out[name][sel] = values
         return out
 
-    def given(self, step: int) -> np.ndarray:
-        """Rows each source has given to the first `step` batches."""
-        return self.schedule.counts(step * self.batch_size)
-
     def epoch(self, step: int) -> float:
         """Rows trained over all the sources' windows (each source's own epochs: `stats`)."""
         return step * self.batch_size / self.n
@@ -209,33 +249,10 @@ class MixtureBatches:
             for s, g, n, share in zip(self.sources, given, self.sizes, shares, strict=True)
         }  # fmt: skip
 
-    def shares(self) -> list[float]:
-        w = np.asarray(self.schedule.segments[-1].weights, float)
-        return list(w / w.sum())
-
-    def state(self) -> dict:
-        """What a checkpoint keeps: the schedule (its segments), the same on every process."""
-        return {"sources": [s.label for s in self.sources], "schedule": self.schedule.to_json()}
-
-    def restore(self, saved: dict, step: int) -> str:
-        """Continue from a checkpoint at `step` with today's weights; returns what changed ('' when nothing did)."""
-        if saved.get("sources") != [s.label for s in self.sources]:
-            raise ConfigError(
-                f"the checkpoint's mixture has sources {saved.get('sources')}, this run {[s.label for s in self.sources]}"
-                f"; resume with the same data.sources (only their weights may change)"
-            )
-        schedule = Schedule.from_json(saved["schedule"])
-        old = schedule.segments[-1].weights
-        self.schedule = schedule.reweighted(self.weights, step * self.batch_size)
-        if old == self.weights:
-            return ""
-        where = ", ".join(
+    def where(self, step: int) -> str:
+        return ", ".join(
             f"{s.label} at {g / n:.3f} epochs"
             for s, g, n in zip(self.sources, self.given(step), self.sizes, strict=True)
-        )
-        return (
-            f"data.sources weights {':'.join(map(str, old))} -> {':'.join(map(str, self.weights))} from step "
-            f"{step}: every source goes on where it stood ({where})"
         )
 
     def describe(self, steps: int) -> list[str]:
@@ -244,4 +261,78 @@ class MixtureBatches:
             f"{s.label}: {s.n_docs:,} documents ({s.n_empty} empty, skipped), {len(s.stream):,} tokens = {n:,} "
             f"windows, share {share:.1%}, {g / n:.3f} epochs in {steps} steps"
             for s, n, share, g in zip(self.sources, self.sizes, self.shares(), self.given(steps), strict=True)
+        ]
+
+
+class StreamMixture(Mixture):
+    """A mixture of streamed sources: each process reads its own shards of every source (stream.StreamBatches),
+    and the schedule says which source each of its rows of global batch `step` comes from, so each source gives
+    this process as many windows as the schedule assigns it, in its stream's order. As for one stream, the batches
+    depend on the number of processes, steps come in order, and epochs are per process; the position (every
+    source's stream state) is saved beside each checkpoint, the schedule in its record."""
+
+    def __init__(self, streams: list, sources: list[Source], weights: tuple[int, ...], seq_len: int,
+                 batch_size: int, rows: slice):  # fmt: skip
+        self.streams, self.sources, self.seq_len, self.batch_size, self.rows = (
+            streams,
+            sources,
+            seq_len,
+            batch_size,
+            rows,
+        )
+        self.labels = [s.label for s in sources]
+        self.weights = tuple(weights)
+        self.schedule = Schedule(self.weights)
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        """This process's rows of global batch `step`, each the next window of its scheduled source's stream."""
+        sources, _ = self.schedule.rows((step * self.batch_size + np.arange(self.batch_size))[self.rows])
+        out: dict[str, np.ndarray] = {}
+        for k in np.unique(sources):
+            sel = np.flatnonzero(sources == k)
+            for name, values in self.streams[int(k)].next_windows(len(sel)).items():
+                if name not in out:
+                    out[name] = np.empty((len(sources), *values.shape[1:]), values.dtype)
+                out[name][sel] = values
+        return out
+
+    def epoch(self, step: int) -> float:
+        return float(min(s.epoch_count for s in self.streams))
+
+    def stats(self, step: int) -> dict[str, float]:
+        """Per source: tokens trained by every process (the schedule's), epochs this process finished of it."""
+        out = {}
+        for label, g, s in zip(self.labels, self.given(step), self.streams, strict=True):
+            out[f"tokens/{label}"] = int(g) * self.seq_len
+            out[f"epochs/{label}"] = float(s.epoch_count)
+        return out
+
+    def summary(self, step: int) -> dict:
+        given, total = self.given(step), max(int(self.given(step).sum()), 1)
+        return {
+            label: {"tokens_trained": int(g) * self.seq_len, "share": share, "share_trained": int(g) / total,
+                    "epochs": float(s.epoch_count)}
+            for label, g, share, s in zip(self.labels, given, self.shares(), self.streams, strict=True)
+        }  # fmt: skip
+
+    def where(self, step: int) -> str:
+        return ", ".join(
+            f"{label} in its epoch {s.epoch_count}" for label, s in zip(self.labels, self.streams, strict=True)
+        )
+
+    def state_dict(self) -> dict:
+        return {"streams": [s.state_dict() for s in self.streams]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state.get("streams", ())) != len(self.streams):
+            raise ConfigError(
+                f"the stream position holds {len(state.get('streams', ()))} sources, data.sources has "
+                f"{len(self.streams)}; resume with the same sources"
+            )
+        for stream, saved in zip(self.streams, state["streams"], strict=True):
+            stream.load_state_dict(saved)
+
+    def describe(self, steps: int) -> list[str]:
+        return [
+            f"{label}: streamed, share {share:.1%}" for label, share in zip(self.labels, self.shares(), strict=True)
         ]

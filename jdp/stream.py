@@ -111,8 +111,12 @@ class StreamBatches:
 
     def next_batch(self) -> dict[str, np.ndarray]:
         """The next `rows` windows of this process's stream."""
+        return self.next_windows(self.rows)
+
+    def next_windows(self, rows: int) -> dict[str, np.ndarray]:
+        """The next `rows` windows of this process's stream (a mixture takes as many as the schedule gives it)."""
         L = self.cfg.seq_len
-        need = self.rows * L + 1
+        need = rows * L + 1
         parts = [self.buffer]
         have = len(self.buffer)
         while have < need:
@@ -122,8 +126,8 @@ class StreamBatches:
         stream = np.concatenate(parts)
         # Consecutive windows share one token (a window's last target is the next one's first input),
         # exactly as in the map-style path.
-        self.buffer = stream[self.rows * L :]
-        return windows(stream, np.arange(self.rows), L)
+        self.buffer = stream[rows * L :]
+        return windows(stream, np.arange(rows), L)
 
     def epoch(self, step: int) -> float:
         return float(self.epoch_count)

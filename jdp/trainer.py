@@ -543,7 +543,8 @@ def finish(run: Run, world: World, derived: Derived, r: Result) -> dict:
             for label, n in summary.get("sources", {}).items():
                 log.info(
                     f"source {label}: {n['tokens_trained']:,} tokens trained ({n['share_trained']:.1%} of them, "
-                    f"weight {n['share']:.1%}), {n['epochs']:.3f} epochs of its {n['documents']:,} documents"
+                    f"weight {n['share']:.1%}), {n['epochs']:.3f} epochs"
+                    + (f" of its {n['documents']:,} documents" if "documents" in n else " (this process's)")
                 )
     return {
         **r.last,
