@@ -87,10 +87,13 @@ class Data:
     def describe(self) -> str:
         if isinstance(self.train, ExampleBatches):
             return f"{self.train.describe()} | tokenizer {self.tokenizer.name} (vocab {self.tokenizer.vocab_size})"
-        if isinstance(self.train, MixtureBatches | StreamMixture):
+        if isinstance(self.train, StreamMixture):
+            tok = f"tokenizer {self.tokenizer.name} (vocab {self.tokenizer.vocab_size})"
+            return (
+                f"streaming mixture of {len(self.train.sources)} sources, each process its own shards of each | {tok}"
+            )
+        if isinstance(self.train, MixtureBatches):
             m, tok = self.train, f"tokenizer {self.tokenizer.name} (vocab {self.tokenizer.vocab_size})"
-            if isinstance(m, StreamMixture):
-                return f"streaming mixture of {len(m.sources)} sources, each process its own shards of each | {tok}"
             val = (
                 f"val {sum(len(s.val) for s in m.sources):,} tokens"
                 if any(len(s.val) for s in m.sources)

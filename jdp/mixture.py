@@ -184,6 +184,18 @@ class Mixture:
         raise NotImplementedError
 
 
+def assemble(sources: np.ndarray, part) -> dict[str, np.ndarray]:
+    """A batch whose row i comes from source sources[i]: `part(k, n)` gives the n rows of source k, in row order."""
+    out: dict[str, np.ndarray] = {}
+    for k in np.unique(sources):
+        sel = np.flatnonzero(sources == k)
+        for name, values in part(int(k), sel).items():
+            if name not in out:
+                out[name] = np.empty((len(sources), *values.shape[1:]), values.dtype)
+            out[name][sel] = values
+    return out
+
+
 class MixtureBatches(Mixture):
     """The training batches of a mixture: global batch `step` is a pure function of (seed, step, the schedule).
 
@@ -216,15 +228,7 @@ class MixtureBatches(Mixture):
         from jdp.tokens import windows
 
         sources, idx = (a[rows] for a in self.rows_of(step))
-        out: dict[str, np.ndarray] = {}
-        for k in np.unique(sources):
-            sel = np.flatnonzero(sources == k)
-            part = windows(self.sources[int(k)].stream, idx[sel], self.seq_len)
-            for name, values in part.items():
-                if name not in out:
-                    out[name] = np.empty((len(idx), *values.shape[1:]), values.dtype)
-                out[name][sel] = values
-        return out
+        return assemble(sources, lambda k, sel: windows(self.sources[k].stream, idx[sel], self.seq_len))
 
     def epoch(self, step: int) -> float:
         """Rows trained over all the sources' windows (each source's own epochs: `stats`)."""
@@ -273,13 +277,8 @@ class StreamMixture(Mixture):
 
     def __init__(self, streams: list, sources: list[Source], weights: tuple[int, ...], seq_len: int,
                  batch_size: int, rows: slice):  # fmt: skip
-        self.streams, self.sources, self.seq_len, self.batch_size, self.rows = (
-            streams,
-            sources,
-            seq_len,
-            batch_size,
-            rows,
-        )
+        self.streams, self.sources, self.rows = streams, sources, rows
+        self.seq_len, self.batch_size = seq_len, batch_size
         self.labels = [s.label for s in sources]
         self.weights = tuple(weights)
         self.schedule = Schedule(self.weights)
@@ -287,14 +286,7 @@ class StreamMixture(Mixture):
     def batch(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of global batch `step`, each the next window of its scheduled source's stream."""
         sources, _ = self.schedule.rows((step * self.batch_size + np.arange(self.batch_size))[self.rows])
-        out: dict[str, np.ndarray] = {}
-        for k in np.unique(sources):
-            sel = np.flatnonzero(sources == k)
-            for name, values in self.streams[int(k)].next_windows(len(sel)).items():
-                if name not in out:
-                    out[name] = np.empty((len(sources), *values.shape[1:]), values.dtype)
-                out[name][sel] = values
-        return out
+        return assemble(sources, lambda k, sel: self.streams[k].next_windows(len(sel)))
 
     def epoch(self, step: int) -> float:
         return float(min(s.epoch_count for s in self.streams))
@@ -308,7 +300,8 @@ class StreamMixture(Mixture):
         return out
 
     def summary(self, step: int) -> dict:
-        given, total = self.given(step), max(int(self.given(step).sum()), 1)
+        given = self.given(step)
+        total = max(int(given.sum()), 1)
         return {
             label: {"tokens_trained": int(g) * self.seq_len, "share": share, "share_trained": int(g) / total,
                     "epochs": float(s.epoch_count)}

@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,11 +29,9 @@ from filelock import FileLock
 
 from jdp.config import ConfigError, DataConfig
 from jdp.corpus import cache_root
-from jdp.log import logger
 
 __all__ = ["ChatTemplate", "ExampleBatches", "Examples", "load_examples", "pack"]
 
-log = logger("jdp.sft")
 FORMAT_VERSION = 1
 
 
@@ -52,7 +51,7 @@ class ChatTemplate:
         )
         env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent,
                                                                                       ensure_ascii=ensure_ascii)  # fmt: skip
-        env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: __import__("time").strftime(f))
+        env.globals.update(raise_exception=raise_exception, strftime_now=time.strftime)
         try:
             self.template = env.from_string(source)
         except jinja2.TemplateSyntaxError as e:
