@@ -9,7 +9,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jdp.log import logger
+
 __all__ = ["attention", "attention_scores", "causal_attention", "query_blocks"]
+
+F32 = jnp.float32
 
 
 def query_blocks(L: int) -> int:
@@ -53,7 +57,9 @@ def causal_attention(
     outputs = []
     for i in range(n):
         end = (i + 1) * Q  # this block's queries see keys [0, end)
-        scores = jnp.einsum(scores_spec, q[..., i * Q : end, :], k_BxGxLxK[:, :, :end])
+        # Scores and weighted sums accumulate in float32 whatever the compute dtype (as the fused kernels do): a bf16
+        # accumulation over the keys, or over a key/value head's R query heads in backward, lost 2.6% (gpu_check).
+        scores = jnp.einsum(scores_spec, q[..., i * Q : end, :], k_BxGxLxK[:, :, :end], preferred_element_type=F32)
         visible_QxE = jnp.arange(i * Q, end)[:, None] >= jnp.arange(end)[None, :]
         if segments_BxL is None:
             mask = jnp.where(visible_QxE, 0.0, -1e9).astype(scores.dtype)
@@ -61,8 +67,9 @@ def causal_attention(
             same_BxQxE = segments_BxL[:, i * Q : end, None] == segments_BxL[:, None, :end]
             mask = jnp.where(visible_QxE & same_BxQxE, 0.0, -1e9).astype(scores.dtype)
             mask = mask.reshape(B, *(1,) * (scores.ndim - 3), end - i * Q, end)
-        probs = jax.nn.softmax((scores + mask).astype(jnp.float32), axis=-1)
-        outputs.append(jnp.einsum(values_spec, probs.astype(v_BxGxLxK.dtype), v_BxGxLxK[:, :, :end]))
+        probs = jax.nn.softmax(scores + mask, axis=-1)
+        y = jnp.einsum(values_spec, probs.astype(v_BxGxLxK.dtype), v_BxGxLxK[:, :, :end], preferred_element_type=F32)
+        outputs.append(y.astype(v_BxGxLxK.dtype))
     y = outputs[0] if n == 1 else jnp.concatenate(outputs, axis=-2)
     return y.reshape(B, H, L, K)
 
@@ -74,16 +81,39 @@ def attention(
     kind: str = "auto",
     segments_BxL: jax.Array | None = None,
 ) -> jax.Array:
-    """Causal attention, y_BxLxHxK, by model.attention's `kind`: "auto" is cuDNN's fused kernel where jax can use
-    it (GPUs) and the written-out `causal_attention` elsewhere; "einsum" always the latter; "xla" or "cudnn"
-    jax.nn.dot_product_attention with that implementation (it takes G < H natively). `segments_BxL`: attention
-    within documents only (the fused kernels take it as a mask)."""
+    """Causal attention, y_BxLxHxK, by model.attention's `kind`: "auto" is cuDNN's fused kernel on GPUs for 16-bit
+    compute (XLA's jax.nn.dot_product_attention for float32, which cuDNN does not take, or where cuDNN refuses the
+    shapes, with a warning naming why) and the written-out `causal_attention` elsewhere; "einsum" always the latter;
+    "xla" or "cudnn" jax.nn.dot_product_attention with that implementation (it takes G < H natively).
+    `segments_BxL`: attention within documents only (the fused kernels take it as a mask)."""
     if kind == "auto":
-        kind = "dot_product_attention" if jax.default_backend() == "gpu" else "einsum"
+        if jax.default_backend() != "gpu":
+            kind = "einsum"
+        elif q_BxLxHxK.dtype in (jnp.bfloat16, jnp.float16):
+            try:  # jax checks the dtypes, layout and head width for cuDNN while tracing
+                return _fused(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, "cudnn", segments_BxL)
+            except (ValueError, NotImplementedError, RuntimeError, TypeError) as e:
+                _warn_once(f"cuDNN's fused attention refused {q_BxLxHxK.shape} ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:200]}); using XLA's attention instead")  # fmt: skip
+                kind = "xla"
+        else:
+            kind = "xla"  # jax's own default (None) is XLA too, as of jax 0.10-0.12: it does not pick cuDNN
     if kind == "einsum":
         heads_major = [x.transpose(0, 2, 1, 3) for x in (q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)]
         return causal_attention(*heads_major, segments_BxL).transpose(0, 2, 1, 3)
-    implementation = None if kind == "dot_product_attention" else kind  # None: jax picks
+    return _fused(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, kind, segments_BxL)
+
+
+def _fused(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation: str, segments_BxL) -> jax.Array:
     mask = None if segments_BxL is None else (segments_BxL[:, None, :, None] == segments_BxL[:, None, None, :])
     return jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask=mask, is_causal=True,
                                         implementation=implementation)  # fmt: skip
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger(__name__).warning(message)

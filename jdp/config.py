@@ -55,7 +55,7 @@ class ModelConfig:
     mlp_ratio: int = 4
     dtype: str = "float32"  # compute dtype (bfloat16 on GPUs)
     param_dtype: str = "float32"  # parameters and optimizer state stay float32
-    attention: str = "auto"  # auto (cuDNN's kernel on GPUs, einsum elsewhere), einsum, xla or cudnn
+    attention: str = "auto"  # auto (cuDNN's kernel on GPUs for bf16/fp16, XLA's for float32; einsum elsewhere), einsum, xla or cudnn
     bias: bool = False  # biases in every projection (GPT-2 has them)
     vocab_valid: int = 0  # ids from here to vocab_size are padding and never get probability; 0: none are
     # gpt: learned positions, LayerNorm, GELU MLP, multi-head attention, biases by model.bias (jdp/model.py);

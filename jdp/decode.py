@@ -133,16 +133,17 @@ def _logits(model: GPT | Llama, x_BxD: jax.Array) -> jax.Array:
 
 
 def _attend(q_BxLxHxK: jax.Array, k_BxGxCxK: jax.Array, v_BxGxCxK: jax.Array, visible_BxLxC: jax.Array) -> jax.Array:
-    """softmax(q k^T / sqrt(K) + mask) v over the cache's columns, in jdp/attention.py's precisions (scores in the
-    compute dtype, softmax in float32); each key/value head serves its R query heads (Hugging Face's repeat_kv)."""
+    """softmax(q k^T / sqrt(K) + mask) v over the cache's columns, in jdp/attention.py's precisions (scores, softmax
+    and weighted sums in float32, the output in the compute dtype); each key/value head serves its R query heads
+    (Hugging Face's repeat_kv)."""
     B, L, H, K = q_BxLxHxK.shape
     G = k_BxGxCxK.shape[1]
     q_BxGxRxLxK = (q_BxLxHxK * (K**-0.5)).transpose(0, 2, 1, 3).reshape(B, G, H // G, L, K)
-    scores = jnp.einsum("bgrlk,bgck->bgrlc", q_BxGxRxLxK, k_BxGxCxK)
+    scores = jnp.einsum("bgrlk,bgck->bgrlc", q_BxGxRxLxK, k_BxGxCxK, preferred_element_type=jnp.float32)
     mask = jnp.where(visible_BxLxC, 0.0, -1e9).astype(scores.dtype)[:, None, None]
-    probs = jax.nn.softmax((scores + mask).astype(jnp.float32), axis=-1)
-    y_BxGxRxLxK = jnp.einsum("bgrlc,bgck->bgrlk", probs.astype(v_BxGxCxK.dtype), v_BxGxCxK)
-    return y_BxGxRxLxK.reshape(B, H, L, K).transpose(0, 2, 1, 3)
+    probs = jax.nn.softmax(scores + mask, axis=-1)
+    y = jnp.einsum("bgrlc,bgck->bgrlk", probs.astype(v_BxGxCxK.dtype), v_BxGxCxK, preferred_element_type=jnp.float32)
+    return y.astype(v_BxGxCxK.dtype).reshape(B, H, L, K).transpose(0, 2, 1, 3)
 
 
 def _forward(model: GPT | Llama, rope_PxK, tokens_BxL, column, read_column, pad_B, cache: KVCache):
