@@ -27,6 +27,7 @@ __all__ = [
     "device_available_bytes",
     "host_available_bytes",
     "local_pool",
+    "peak_device_bytes",
     "refusal",
     "suggestions",
 ]
@@ -102,6 +103,18 @@ def device_available_bytes(devices, scale: float = 1.0) -> int | None:
             return None
         free.append(int(stats["bytes_limit"] * scale) - stats.get("bytes_in_use", 0))
     return min(free) if free else None
+
+
+def peak_device_bytes(devices) -> int | None:
+    """The most any of `devices` has held at once since the process started (memory_stats' peak_bytes_in_use): what
+    a run really needed, beside `jdp plan`'s prediction; None where the runtime does not say (CPUs)."""
+    peaks = []
+    for d in devices:
+        stats = d.memory_stats() if hasattr(d, "memory_stats") else None
+        if not stats or "peak_bytes_in_use" not in stats:
+            return None
+        peaks.append(int(stats["peak_bytes_in_use"]))
+    return max(peaks) if peaks else None
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from jdp.corpus import cache_root
 from jdp.hooks import CommHook
 from jdp.log import PLAIN, logger, set_rank
 from jdp.loop import Loop, Phases, Result, Run
+from jdp.memory import peak_device_bytes
 from jdp.metrics import (
     MetricsLog,
     StepMeter,
@@ -530,6 +531,8 @@ def finish(run: Run, world: World, derived: Derived, r: Result) -> dict:
         "platform": jax.devices()[0].platform,  # what `jdp plan --calibrate` checks the run against
         "device_kind": jax.devices()[0].device_kind,
         "goodput": r.goodput,
+        # this process's devices' high-water mark (bytes; null on CPUs), beside `jdp plan`'s per-device prediction
+        "peak_memory_bytes": peak_device_bytes(jax.local_devices()),
         "params_sha256": params_sha256(r.state.params, r.state.shapes),
         "params_fingerprint": fingerprint(r.state.params, r.state.shapes),
     }
@@ -539,7 +542,9 @@ def finish(run: Run, world: World, derived: Derived, r: Result) -> dict:
         run.run_dir.summary.write_text(json.dumps(summary, indent=1))
         if not r.preempted:
             evaluated = f", eval_loss {r.last['eval_loss']:.4f}" if "eval_loss" in r.last else ""
-            log.info(f"done: loss {r.last.get('loss', float('nan')):.4f}{evaluated}")
+            peak = summary["peak_memory_bytes"]
+            held = f", peak device memory {peak / 1e9:.2f} GB" if peak is not None else ""
+            log.info(f"done: loss {r.last.get('loss', float('nan')):.4f}{evaluated}{held}")
             for label, n in summary.get("sources", {}).items():
                 log.info(
                     f"source {label}: {n['tokens_trained']:,} tokens trained ({n['share_trained']:.1%} of them, "
