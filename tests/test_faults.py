@@ -133,6 +133,7 @@ def test_sigterm_saves_at_an_agreed_step_exits_zero_and_resumes_exactly(tmp_path
     assert losses(d) == losses(ref)
 
 
+@pytest.mark.alone
 def test_sigterm_to_any_process_stops_every_process_at_one_step(tmp_path, env):
     d = tmp_path / "mp"
     args = [sys.executable, "-m", "jdp.cli", "launch", "--nproc-per-node", "2", "--", "train", "configs/tiny.yaml"]
@@ -174,6 +175,7 @@ def test_restore_on_other_device_and_process_counts(tmp_path, env, reference_1x4
             assert abs(a[step] - b[step]) <= 1e-5 * a[step], (layout, step, a[step], b[step])
 
 
+@pytest.mark.alone
 def test_stalled_worker_makes_the_job_exit_within_the_watchdog_timeout(tmp_path, env):
     start = time.monotonic()
     hooks = {"JDP_TEST_STALL": "5:1"}  # process 1 stops before its step 5
@@ -340,6 +342,7 @@ def test_checkpoint_arrays_that_differ_from_their_saved_checksums_are_refused(sm
     assert "resuming from the checkpoint at step 4" in captured.out
 
 
+@pytest.mark.alone
 def test_a_second_job_on_a_live_run_directory_is_refused_and_a_dead_jobs_lock_is_taken_over(tmp_path, env):
     d = tmp_path / "shared"
     args = [sys.executable, "-m", "jdp.cli", "train", "configs/tiny.yaml", *SMALL, f"train.run_dir={d}"]

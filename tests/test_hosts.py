@@ -22,6 +22,7 @@ WHY = unavailable()
 pytestmark = [
     pytest.mark.skipif(bool(WHY), reason=f"multi-host tests need network namespaces: {WHY}"),
     pytest.mark.slow,
+    pytest.mark.alone,  # namespaces, a fixed port, bounds in seconds
 ]
 PORT = 29400
 HEARTBEAT_S = 6  # parallel.heartbeat_timeout_s in these jobs: a lost host is noticed within it

@@ -19,7 +19,7 @@ import yaml
 from jdp.launch import free_port
 from jdp.metrics import read_metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]  # names and addresses of its own, bounds in seconds
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["model.n_layers=2", "model.d_model=64", "model.max_seq_len=64", "data.seq_len=64", "train.batch_size=16"]
 SMALL += ["data.val_tokens=4096", "train.log_every=1", "train.eval_every=0", "train.progress=false", "train.steps=4"]

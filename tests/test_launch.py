@@ -114,6 +114,7 @@ def assert_all_gone(workers):
     assert not alive, [p.cmdline() for p in alive]
 
 
+@pytest.mark.alone
 def test_killed_worker_stops_the_job_within_a_minute_and_is_named(tmp_path, env, launched):
     launcher = start_launch(tmp_path, env, launched)
     workers = wait_for_training(tmp_path, launcher)
@@ -127,6 +128,7 @@ def test_killed_worker_stops_the_job_within_a_minute_and_is_named(tmp_path, env,
     assert_all_gone(workers)
 
 
+@pytest.mark.alone
 def test_sigterm_to_the_launcher_reaches_every_worker(tmp_path, env, launched):
     launcher = start_launch(tmp_path, env, launched)
     workers = wait_for_training(tmp_path, launcher)
@@ -136,6 +138,7 @@ def test_sigterm_to_the_launcher_reaches_every_worker(tmp_path, env, launched):
     assert_all_gone(workers)
 
 
+@pytest.mark.alone
 def test_max_restarts_restarts_the_group_then_gives_up(tmp_path, env):
     out = jdp(
         ["launch", "--nproc-per-node", "2", "--max-restarts", "1", "--", "train", "train.steps=-1"], env, timeout=120
@@ -146,6 +149,7 @@ def test_max_restarts_restarts_the_group_then_gives_up(tmp_path, env):
     assert "train.steps=-1 must be positive" in out.stderr  # the worker's own error, prefixed by its rank
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("present, words", [(0, "all 2 processes to register"), (1, "the coordinator (process 0)")])
 def test_a_worker_that_never_arrives_is_a_clear_error_within_the_timeout(tmp_path, env, present, words):
     # Only one of the job's two processes is ever started.
@@ -195,6 +199,7 @@ def _exited(p: psutil.Process) -> bool:
         return True
 
 
+@pytest.mark.alone
 def test_workers_of_a_launcher_killed_with_sigkill_stop_at_an_agreed_step_within_seconds(tmp_path, env):
     d = tmp_path / "orphans"
     args = ["launch", "--nproc-per-node", "2", "--grace-s", "8", "--", "train", "configs/tiny.yaml", *SMALL]
@@ -227,6 +232,7 @@ def test_workers_of_a_launcher_killed_with_sigkill_stop_at_an_agreed_step_within
                 pass
 
 
+@pytest.mark.alone
 def test_a_process_that_leaves_outside_a_step_is_named_by_the_others_within_seconds(tmp_path, env, spawn):
     """No launcher to stop the others: the process that fails says so in the job's key-value store, and the
     others stop (non-zero) naming it and its phase, instead of waiting for it in a collective or a barrier."""

@@ -114,6 +114,7 @@ def _loopback(address: str) -> bool:
     return ip.startswith("127.") or ip == "::1"
 
 
+@pytest.mark.alone
 @pytest.mark.slow
 def test_a_single_node_job_listens_on_the_loopback_only(tmp_path):
     sockets, out = _launch_and_look(tmp_path, [])
@@ -123,6 +124,7 @@ def test_a_single_node_job_listens_on_the_loopback_only(tmp_path):
     assert "the coordination service listens on 127.0.0.1:" in out
 
 
+@pytest.mark.alone
 @pytest.mark.slow
 def test_a_given_coordinator_address_is_bound_exactly(tmp_path):
     """As a multi-node job's node 0 binds the address its coordinator was given (127.0.0.2 stands for a

@@ -23,7 +23,7 @@ from slurm import KILL_WAIT_S, Cluster, unavailable
 from jdp.metrics import read_metrics
 
 _why_not = unavailable()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(_why_not is not None, reason=str(_why_not))]
+pytestmark = [pytest.mark.slow, pytest.mark.alone, pytest.mark.skipif(_why_not is not None, reason=str(_why_not))]
 
 REPO = Path(__file__).resolve().parents[1]
 JDP = Path(sys.executable).parent / "jdp"  # the console script of the running venv

@@ -20,7 +20,7 @@ import pytest
 from jdp.launch import free_port
 from jdp.metrics import read_metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]  # torchrun's rendezvous, restarts
 BIN = Path(sys.executable).parent
 TORCHRUN = BIN / "torchrun"
 if not TORCHRUN.exists():
