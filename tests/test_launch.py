@@ -52,11 +52,12 @@ def run_layout(tmp_path, env, nproc, devices_each):
 
 
 def test_launch_layouts_train_exactly_like_one_process(tmp_path, env):
-    """launch-2x2 (docs/multihost.md's first command, with a smaller model): 2 x 2 and 4 x 1 = 1 x 4."""
+    """launch-2x2 (docs/multihost.md's first command, with a smaller model): 2 x 2 and 4 x 1 = 1 x 4 = one device
+    (`jdp train` on a machine with one: the same global batch, every loss, grad_norm and eval_loss to 1e-5)."""
     base_metrics, base_summary = run_layout(tmp_path, env, 1, 4)
-    for nproc, devices_each in [(2, 2), (4, 1)]:
+    for nproc, devices_each in [(1, 1), (2, 2), (4, 1)]:
         metrics, summary = run_layout(tmp_path, env, nproc, devices_each)
-        assert summary["devices"] == 4 and f"of {nproc}" in summary["world"]
+        assert summary["devices"] == nproc * devices_each and (nproc == 1 or f"of {nproc}" in summary["world"])
         assert [r["step"] for r in metrics] == [r["step"] for r in base_metrics]
         for a, b in zip(base_metrics, metrics, strict=True):
             for key in ("loss", "grad_norm", "eval_loss"):
@@ -138,7 +139,6 @@ def test_sigterm_to_the_launcher_reaches_every_worker(tmp_path, env, launched):
     assert_all_gone(workers)
 
 
-@pytest.mark.alone
 def test_max_restarts_restarts_the_group_then_gives_up(tmp_path, env):
     out = jdp(
         ["launch", "--nproc-per-node", "2", "--max-restarts", "1", "--", "train", "train.steps=-1"], env, timeout=120
@@ -187,8 +187,9 @@ def test_cpu_workers_get_disjoint_core_sets():
     assert cpu_groups(len(cores) + 1) is None  # fewer cores than workers: no pinning
 
 
-SMALL = ["model.n_layers=2", "model.d_model=64", "model.max_seq_len=64", "data.seq_len=64", "train.batch_size=16"]
-SMALL += ["train.log_every=1", "train.eval_every=0", "train.progress=false", "data.val_tokens=4096"]
+# (the layout comparison above keeps SMALL: evaluations at steps 3 and 6 compared too)
+FAULTS_RUN = ["model.n_layers=2", "model.d_model=64", "model.max_seq_len=64", "data.seq_len=64", "train.batch_size=16"]
+FAULTS_RUN += ["train.log_every=1", "train.eval_every=0", "train.progress=false", "data.val_tokens=4096"]
 
 
 def _exited(p: psutil.Process) -> bool:
@@ -202,7 +203,7 @@ def _exited(p: psutil.Process) -> bool:
 @pytest.mark.alone
 def test_workers_of_a_launcher_killed_with_sigkill_stop_at_an_agreed_step_within_seconds(tmp_path, env):
     d = tmp_path / "orphans"
-    args = ["launch", "--nproc-per-node", "2", "--grace-s", "8", "--", "train", "configs/tiny.yaml", *SMALL]
+    args = ["launch", "--nproc-per-node", "2", "--grace-s", "8", "--", "train", "configs/tiny.yaml", *FAULTS_RUN]
     args += ["train.steps=100000", "train.ckpt_every=0", f"train.run_dir={d}"]
     launcher = subprocess.Popen(
         [sys.executable, "-m", "jdp.cli", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
@@ -232,13 +233,12 @@ def test_workers_of_a_launcher_killed_with_sigkill_stop_at_an_agreed_step_within
                 pass
 
 
-@pytest.mark.alone
 def test_a_process_that_leaves_outside_a_step_is_named_by_the_others_within_seconds(tmp_path, env, spawn):
     """No launcher to stop the others: the process that fails says so in the job's key-value store, and the
     others stop (non-zero) naming it and its phase, instead of waiting for it in a collective or a barrier."""
     for where, pid in [("save", 0), ("log", 1), ("eval", 0)]:
         d = tmp_path / f"{where}-{pid}"
-        argv = ["-m", "jdp.cli", "train", "configs/tiny.yaml", *SMALL, "train.steps=100000", f"train.run_dir={d}"]
+        argv = ["-m", "jdp.cli", "train", "configs/tiny.yaml", *FAULTS_RUN, "train.steps=100000", f"train.run_dir={d}"]
         argv += ["train.ckpt_every=5", "train.eval_every=5", "data.val_tokens=4096"]
         start = time.monotonic()
         faulty, override = inject.register(env, JDP_TEST_FAIL=f"5:{where}:{pid}")
