@@ -28,10 +28,10 @@ _EXPORTS = {
     "Config": "jdp.config",
     "ConfigError": "jdp.config",
     "load_config": "jdp.config",
-    "GPT": "jdp.model",
-    "Llama": "jdp.llama",
-    "make_model": "jdp.model",
-    "lm_loss": "jdp.model",
+    "GPT": "jdp.models.gpt",
+    "Llama": "jdp.models.llama",
+    "make_model": "jdp.models",
+    "lm_loss": "jdp.models.common",
     "make_optimizer": "jdp.optim",
     "AXIS": "jdp.parallel",
     "TrainState": "jdp.parallel",
@@ -100,9 +100,11 @@ if TYPE_CHECKING:
     from jdp.callbacks import Callback, StepInfo, every
     from jdp.config import Config, ConfigError, load_config
     from jdp.dataset import Loader
-    from jdp.llama import Llama
     from jdp.lm import train
-    from jdp.model import GPT, lm_loss, make_model
+    from jdp.models import make_model
+    from jdp.models.common import lm_loss
+    from jdp.models.gpt import GPT
+    from jdp.models.llama import Llama
     from jdp.nn import RowDropout
     from jdp.optim import make_optimizer
     from jdp.parallel import (

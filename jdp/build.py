@@ -16,7 +16,8 @@ from flax import nnx
 from jdp import parallel, strategies
 from jdp.config import Config, ParallelConfig
 from jdp.hooks import CommHook, PowerSGD
-from jdp.model import count_params, lm_loss, make_model
+from jdp.models import make_model
+from jdp.models.common import count_params, lm_loss
 from jdp.optim import make_optimizer
 
 

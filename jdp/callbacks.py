@@ -15,7 +15,7 @@ from typing import Any
 import jax
 
 from jdp import parallel
-from jdp.config import ConfigError
+from jdp.errors import ConfigError
 
 Loop = Any  # jdp.loop.Loop, which calls the callbacks (not imported: loop.py imports this module)
 

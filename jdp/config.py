@@ -13,7 +13,9 @@ from typing import Any
 
 import yaml
 
-from jdp import strategies
+from jdp import models, strategies
+from jdp.errors import ConfigError
+from jdp.models.config import ModelConfig
 from jdp.rundir import RunDir
 
 __all__ = [
@@ -31,66 +33,12 @@ __all__ = [
     "TrainConfig",
     "explicit_keys",
     "load_config",
-    "model_problems",
     "resolve_config_path",
     "save_config",
     "split_config_args",
     "valid_keys",
     "validate",
 ]
-
-
-class ConfigError(ValueError):
-    """A config or other input that cannot run (a library call's batch, loss or used state included); raised
-    before any data is loaded or anything is compiled."""
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    vocab_size: int = 320  # the byte tokenizer's 257 ids, padded to a multiple of 64
-    max_seq_len: int = 256  # learned positions: the longest sequence the model supports
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    mlp_ratio: int = 4
-    dtype: str = "float32"  # compute dtype (bfloat16 on GPUs)
-    param_dtype: str = "float32"  # parameters and optimizer state stay float32
-    attention: str = "auto"  # auto (cuDNN's kernel on GPUs for bf16/fp16, XLA's for float32; einsum elsewhere), einsum, xla or cudnn
-    bias: bool = False  # biases in every projection (GPT-2 has them)
-    vocab_valid: int = 0  # ids from here to vocab_size are padding and never get probability; 0: none are
-    # gpt: learned positions, LayerNorm, GELU MLP, multi-head attention, biases by model.bias (jdp/model.py);
-    # llama: rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention (Llama, Qwen2, Mistral, SmolLM; llama.py)
-    arch: str = "gpt"
-    norm_eps: float = 1e-5  # every norm's epsilon (GPT's LayerNorm, Llama's RMSNorm)
-    # The keys below are Llama's: with arch=gpt they keep their defaults.
-    n_kv_heads: int = 0  # key/value heads, dividing n_heads (1: multi-query attention); 0: n_heads (multi-head)
-    d_ff: int = 0  # SwiGLU hidden width; 0: 8/3 d_model rounded up to a multiple of 64 (Llama's rule)
-    head_dim: int = 0  # width of each attention head (even: RoPE rotates pairs); 0: d_model / n_heads
-    rope_theta: float = 10000.0  # RoPE base: head pair i turns at theta^(-2i/head_dim) radians per position
-    rope_scaling: str = ""  # "": plain RoPE; llama3: Llama 3.1's frequency scaling, by the four keys below
-    rope_factor: float = 8.0  # llama3: the lowest frequencies are divided by this
-    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above rope_original_max_len / this are divided
-    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below rope_original_max_len / this are kept
-    rope_original_max_len: int = 8192  # llama3: the context the model was first trained at
-    qkv_bias: bool = False  # biases on the q, k and v projections only (Qwen2)
-    tie_embeddings: bool = True  # the output projection is the token embedding (GPT's always is); false: lm_head
-
-    @property
-    def kv_heads(self) -> int:
-        """Key/value heads (G): n_kv_heads, or n_heads when it is 0 (GPT's always are)."""
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def head_width(self) -> int:
-        """Each head's width (K): head_dim, or d_model / n_heads when it is 0 (GPT's always is)."""
-        return self.head_dim or self.d_model // self.n_heads
-
-    @property
-    def ff_width(self) -> int:
-        """The MLP's hidden width (F): GPT's mlp_ratio x d_model; Llama's d_ff, or 8/3 d_model rounded up to 64."""
-        if self.arch == "gpt":
-            return self.mlp_ratio * self.d_model
-        return self.d_ff or -(-8 * self.d_model // (3 * 64)) * 64
 
 
 @dataclass(frozen=True)
@@ -428,7 +376,7 @@ CHOICES = {
     "model.dtype": DTYPES,
     "model.param_dtype": DTYPES,
     "model.attention": ("auto", "einsum", "xla", "cudnn"),
-    "model.arch": ("gpt", "llama"),
+    "model.arch": models.names,  # the families, those registered later too
     "data.encoding_errors": ("strict", "replace", "ignore"),
     "data.text_unit": ("file", "line", "paragraph"),
     "data.document_attention": ("auto", "across", "within"),
@@ -459,65 +407,6 @@ def _value_problems(cfg: Config) -> list[str]:
                 problems.append(f"{name}={v} must be {RANGES[name][1]}")
             elif name in CHOICES and v not in (choices := choices_of(name)):
                 problems.append(f"{name}={v!r} must be one of {', '.join(choices)}")
-    return problems
-
-
-_LLAMA_ONLY = ("n_kv_heads", "d_ff", "head_dim", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
-               "rope_high_freq_factor", "rope_original_max_len", "qkv_bias", "tie_embeddings")  # fmt: skip
-_LLAMA3_ONLY = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len")
-
-
-def model_problems(m: ModelConfig) -> list[str]:
-    """What the model's keys get wrong together (each key's own range is _value_problems'), each naming the key and
-    the fix; checked by validate, and by make_model for a ModelConfig built in code."""
-    problems, default = [], ModelConfig()
-    if m.vocab_valid > m.vocab_size:
-        problems.append(f"model.vocab_valid={m.vocab_valid} is more than model.vocab_size={m.vocab_size}")
-    if m.n_heads <= 0:
-        return problems  # _value_problems names it; the rest divides by it
-    if not m.head_dim and m.d_model % m.n_heads:
-        problems.append(
-            f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}"
-            + ("" if m.arch == "gpt" else "; set model.head_dim for heads of another width")
-        )
-    if m.arch == "gpt":
-        changed = [f"model.{k}={getattr(m, k)!r}" for k in _LLAMA_ONLY if getattr(m, k) != getattr(default, k)]
-        if changed:
-            problems.append(f"{', '.join(changed)}: Llama's key(s), not GPT's; leave them out or set model.arch=llama")
-        return problems
-    if m.bias:
-        problems.append(
-            "model.bias=true with model.arch=llama: Llama has no biases on o_proj or the MLP; for biases on q, k and v "
-            "(Qwen2) set model.qkv_bias=true instead"
-        )
-    if m.mlp_ratio != default.mlp_ratio:
-        problems.append(
-            f"model.mlp_ratio={m.mlp_ratio} is GPT's MLP width; Llama's is model.d_ff (leave mlp_ratio out)"
-        )
-    if m.n_kv_heads and m.n_heads % m.n_kv_heads:
-        problems.append(
-            f"model.n_kv_heads={m.n_kv_heads} does not divide model.n_heads={m.n_heads}; use a divisor (1: multi-query, "
-            f"{m.n_heads}: multi-head)"
-        )
-    if m.head_width % 2:
-        where = f"model.head_dim={m.head_dim}" if m.head_dim else f"model.d_model / model.n_heads = {m.head_width}"
-        problems.append(f"{where} is odd; RoPE rotates pairs of dimensions: make each head's width even")
-    if m.rope_scaling not in ("", "llama3"):
-        problems.append(
-            f'model.rope_scaling={m.rope_scaling!r}: jdp computes llama3 (Llama 3.1\'s) scaling or none (""); '
-            f"a model with another scaling cannot be trained or imported exactly"
-        )
-    elif not m.rope_scaling:
-        changed = [f"model.{k}={getattr(m, k)}" for k in _LLAMA3_ONLY if getattr(m, k) != getattr(default, k)]
-        if changed:
-            problems.append(
-                f"{', '.join(changed)} without model.rope_scaling=llama3 would be unused; set both or neither"
-            )
-    elif m.rope_high_freq_factor <= m.rope_low_freq_factor:
-        problems.append(
-            f"model.rope_high_freq_factor={m.rope_high_freq_factor} must be more than model.rope_low_freq_factor="
-            f"{m.rope_low_freq_factor} (llama3 scaling blends the wavelengths between them)"
-        )
     return problems
 
 
@@ -569,7 +458,7 @@ def mixture_problems(d: DataConfig) -> list[str]:
 def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Derived:
     """Everything about the config alone that can be wrong, checked before data or compilation."""
     m, d, t, par = cfg.model, cfg.data, cfg.train, cfg.parallel
-    problems = _value_problems(cfg) + model_problems(m) + mixture_problems(d)
+    problems = _value_problems(cfg) + models.problems(m) + mixture_problems(d)
     if d.format != "text" and d.streaming:
         problems.append(
             f"data.format={d.format} with data.streaming=true: streamed fine-tuning data is not supported yet"

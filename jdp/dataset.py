@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from jdp.config import ConfigError
+from jdp.errors import ConfigError
 
 __all__ = ["GlobalOrder", "Loader", "StreamLoader"]
 

@@ -1,5 +1,6 @@
-"""Sampling for jdp's GPT and Llama: with a KV cache (prefill the prompts once, then one token per step), and the
-windowed forward that re-reads the whole context for every token (the reference, and the path past max_seq_len).
+"""Sampling for any model family whose model is `Decodable` (jdp's GPT and Llama are): with a KV cache (prefill
+the prompts once, then one token per step), and the windowed forward that re-reads the whole context for every
+token (the reference, and the path past max_seq_len).
 
 Dimension glossary: B batch (prompts), T prompt columns (the longest prompt; shorter ones are padded on the left),
 C cache length, L tokens fed in one call (a prefill chunk, or 1 per step), N = B * L, Y layers, H query heads,
@@ -11,18 +12,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jdp.config import ConfigError
-from jdp.llama import Llama, rope, rope_tables
-from jdp.model import GPT
+from jdp.errors import ConfigError
 
-__all__ = ["KVCache", "cache_length", "check_prompts", "check_sampling", "pick", "sample"]
+__all__ = ["Decodable", "KVCache", "cache_length", "check_prompts", "check_sampling", "pick", "sample"]
 
 _MIN_CACHE = 64  # cache lengths are powers of two from here (capped at P): few compiled programs, little waste
 _PREFILL_CHUNK = 64  # prompt columns read per prefill step: a short prompt costs one chunk, not the whole cache
@@ -89,47 +88,24 @@ def pick(logits_BxV: jax.Array, key: jax.Array, index, temperature, top_k: int, 
 # ---- the model's own layers, with attention over the cache ----------------------------------------------------
 
 
-def _embed(model: GPT | Llama, tokens_BxL: jax.Array, positions_BxL: jax.Array) -> jax.Array:
-    x_BxLxD = model.embed(tokens_BxL)
-    if isinstance(model, GPT):  # learned positions; Llama's rotate q and k instead
-        x_BxLxD = x_BxLxD + model.pos_embed[...][positions_BxL].astype(model.cfg.dtype)
-    return x_BxLxD.reshape(-1, x_BxLxD.shape[-1])
+@runtime_checkable
+class Decodable(Protocol):
+    """What the KV-cache decoder asks of a model (each family's model class gives it; jdp/models/): `cfg` (its
+    ModelConfig: n_layers, kv_heads, head_width, max_seq_len, vocab_size, dtype), `blocks` (each with
+    `decode_qkv(x_NxD, positions_BxL, tables)` -> q BxLxHxK, k and v BxLxGxK, and `decode_finish(x_NxD, y_NxHK)`
+    -> the block's output), and the three below."""
 
+    cfg: Any
+    blocks: Any
 
-def _qkv(model: GPT | Llama, block, x_NxD: jax.Array, positions_BxL: jax.Array, rope_PxK):
-    """q (BxLxHxK), k and v (BxLxGxK) of one block, from its own norm and projections; Llama's q and k rotated by
-    the rows of rope_PxK = (cos, sin) at each token's position."""
-    B, L = positions_BxL.shape
-    H, G, K = model.cfg.n_heads, model.cfg.kv_heads, model.cfg.head_width
-    if isinstance(model, GPT):
-        qkv_BxLx3xHxK = block.attn.qkv(block.norm1(x_NxD)).reshape(B, L, 3, H, K)
-        return tuple(qkv_BxLx3xHxK[:, :, i] for i in range(3))
-    h_NxD, attn = block.attn_norm(x_NxD), block.attn
-    # Each token its own row's position: rope() broadcasts one table row per token over a batch of one.
-    cos_NxK, sin_NxK = (table_PxK[positions_BxL.reshape(-1)] for table_PxK in rope_PxK)
-    q_BxLxHxK = rope(attn.q(h_NxD).reshape(1, B * L, H, K), cos_NxK, sin_NxK).reshape(B, L, H, K)
-    k_BxLxGxK = rope(attn.k(h_NxD).reshape(1, B * L, G, K), cos_NxK, sin_NxK).reshape(B, L, G, K)
-    return q_BxLxHxK, k_BxLxGxK, attn.v(h_NxD).reshape(B, L, G, K)
+    def decode_tables(self) -> Any:
+        """What every block's decode_qkv needs of the positions, computed once per call (Llama's rotary tables)."""
 
+    def decode_embed(self, tokens_BxL: jax.Array, positions_BxL: jax.Array) -> jax.Array:
+        """The tokens at their positions (each row its own), as the model's first layer makes them: NxD."""
 
-def _finish_block(model: GPT | Llama, block, x_NxD: jax.Array, y_NxHK: jax.Array) -> jax.Array:
-    """The block after attention: its output projection and residual, then its norm, MLP and residual."""
-    if isinstance(model, GPT):
-        x_NxD = x_NxD + block.attn.out(y_NxHK)
-        return x_NxD + block.mlp(block.norm2(x_NxD))
-    x_NxD = x_NxD + block.attn.o(y_NxHK)
-    return x_NxD + block.mlp(block.mlp_norm(x_NxD))
-
-
-def _logits(model: GPT | Llama, x_BxD: jax.Array) -> jax.Array:
-    """The final norm and output projection (float32), as the model's __call__ ends."""
-    x_BxD = model.norm(x_BxD)
-    untied = isinstance(model, Llama) and not model.cfg.tie_embeddings
-    logits_BxV = (model.lm_head(x_BxD) if untied else model.embed.attend(x_BxD)).astype(jnp.float32)
-    V, valid = model.cfg.vocab_size, model.cfg.vocab_valid
-    if 0 < valid < V:
-        logits_BxV = jnp.where(jnp.arange(V) < valid, logits_BxV, -1e30)
-    return logits_BxV
+    def logits(self, x_NxD: jax.Array) -> jax.Array:
+        """The final norm and output projection, float32, as the model's __call__ ends."""
 
 
 def _attend(q_BxLxHxK: jax.Array, k_BxGxCxK: jax.Array, v_BxGxCxK: jax.Array, visible_BxLxC: jax.Array) -> jax.Array:
@@ -146,7 +122,7 @@ def _attend(q_BxLxHxK: jax.Array, k_BxGxCxK: jax.Array, v_BxGxCxK: jax.Array, vi
     return y.astype(v_BxGxCxK.dtype).reshape(B, H, L, K).transpose(0, 2, 1, 3)
 
 
-def _forward(model: GPT | Llama, rope_PxK, tokens_BxL, column, read_column, pad_B, cache: KVCache):
+def _forward(model: Decodable, tables, tokens_BxL, column, read_column, pad_B, cache: KVCache):
     """Feed tokens at cache columns [column, column + L): write their keys and values, attend each to its row's
     columns from its first real token up to itself, and return the logits at `read_column` (BxV) and the cache."""
     B, L = tokens_BxL.shape
@@ -154,17 +130,17 @@ def _forward(model: GPT | Llama, rope_PxK, tokens_BxL, column, read_column, pad_
     positions_BxL = jnp.clip(columns_L[None, :] - pad_B[:, None], 0, model.cfg.max_seq_len - 1)  # pads: 0, unread
     keys_1x1xC = jnp.arange(cache.k.shape[3])[None, None, :]
     visible_BxLxC = (keys_1x1xC <= columns_L[None, :, None]) & (keys_1x1xC >= pad_B[:, None, None])
-    x_NxD = _embed(model, tokens_BxL, positions_BxL)
+    x_NxD = model.decode_embed(tokens_BxL, positions_BxL)
     for layer, block in enumerate(model.blocks):
-        q_BxLxHxK, k_BxLxGxK, v_BxLxGxK = _qkv(model, block, x_NxD, positions_BxL, rope_PxK)
+        q_BxLxHxK, k_BxLxGxK, v_BxLxGxK = block.decode_qkv(x_NxD, positions_BxL, tables)
         cache = cache.write(layer, k_BxLxGxK, v_BxLxGxK, column)
         y_BxLxHxK = _attend(q_BxLxHxK, cache.k[layer], cache.v[layer], visible_BxLxC)
-        x_NxD = _finish_block(model, block, x_NxD, y_BxLxHxK.reshape(B * L, -1))
+        x_NxD = block.decode_finish(x_NxD, y_BxLxHxK.reshape(B * L, -1))
     x_BxD = jax.lax.dynamic_index_in_dim(x_NxD.reshape(B, L, -1), read_column - column, axis=1, keepdims=False)
-    return _logits(model, x_BxD), cache
+    return model.logits(x_BxD), cache
 
 
-def _prefill(model: GPT | Llama, rope_PxK, tokens_BxC, pad_B, T, cache: KVCache):
+def _prefill(model: Decodable, tables, tokens_BxC, pad_B, T, cache: KVCache):
     """Read the prompts (columns [0, T)) into the cache in chunks of Q columns, in a loop whose length is traced:
     the last chunk starts at C - Q at the latest (recomputing columns already read gives the same keys and values),
     and the columns it reads past T - 1 are overwritten before any query sees them. The logits at column T - 1."""
@@ -174,7 +150,7 @@ def _prefill(model: GPT | Llama, rope_PxK, tokens_BxC, pad_B, T, cache: KVCache)
     def chunk(j, carry):
         start = jnp.minimum(j * Q, C - Q)
         tokens_BxQ = jax.lax.dynamic_slice_in_dim(tokens_BxC, start, Q, axis=1)
-        return _forward(model, rope_PxK, tokens_BxQ, start, jnp.clip(T - 1, start, start + Q - 1), pad_B, carry[1])
+        return _forward(model, tables, tokens_BxQ, start, jnp.clip(T - 1, start, start + Q - 1), pad_B, carry[1])
 
     logits_BxV = jnp.zeros((B, model.cfg.vocab_size), jnp.float32)
     return jax.lax.fori_loop(0, (T + Q - 1) // Q, chunk, (logits_BxV, cache))
@@ -190,8 +166,8 @@ def _decode(graphdef, state, tokens_BxC, pad_B, T, n, key, temperature, eod, *, 
     cfg = model.cfg
     B, C = tokens_BxC.shape
     zeros = jnp.zeros((cfg.n_layers, B, cfg.kv_heads, C, cfg.head_width), cfg.dtype)
-    rope_PxK = rope_tables(cfg, cfg.max_seq_len, cfg.dtype) if isinstance(model, Llama) else None  # once, not per step
-    logits_BxV, cache = _prefill(model, rope_PxK, tokens_BxC, pad_B, T, KVCache(zeros, zeros))
+    tables = model.decode_tables()  # once, not per step
+    logits_BxV, cache = _prefill(model, tables, tokens_BxC, pad_B, T, KVCache(zeros, zeros))
     first_B = pick(logits_BxV, key, 0, temperature, top_k, n_vocab)
     out_BxC = jnp.zeros((B, C), jnp.int32).at[:, 0].set(first_B)
 
@@ -203,7 +179,7 @@ def _decode(graphdef, state, tokens_BxC, pad_B, T, n, key, temperature, eod, *, 
         i, out_BxC, cache, done_B = carry
         column = T + i - 1
         fed_Bx1 = jax.lax.dynamic_slice_in_dim(out_BxC, i - 1, 1, axis=1)
-        logits_BxV, cache = _forward(model, rope_PxK, fed_Bx1, column, column, pad_B, cache)
+        logits_BxV, cache = _forward(model, tables, fed_Bx1, column, column, pad_B, cache)
         token_B = pick(logits_BxV, key, i, temperature, top_k, n_vocab)
         out_BxC = jax.lax.dynamic_update_slice_in_dim(out_BxC, token_B[:, None], i, axis=1)
         return i + 1, out_BxC, cache, done_B | (token_B == eod)
@@ -278,7 +254,7 @@ def _sample_windowed(d: _Draw, prompts, new: list[list[int]], done: list[bool], 
 
 
 def sample(
-    model: GPT | Llama,
+    model: Decodable,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int = 200,
     temperature: float = 0.8,
@@ -298,8 +274,11 @@ def sample(
     forward from the first token: the reference, equal greedy tokens.
     """
     check_sampling(max_new_tokens, temperature, top_k)
-    if not isinstance(model, GPT | Llama):
-        raise ConfigError(f"sampling knows jdp's GPT and Llama models; got a {type(model).__name__}")
+    if not isinstance(model, Decodable):
+        raise ConfigError(
+            f"sampling needs a model with the KV-cache decoder's pieces (jdp.decode.Decodable: decode_tables, "
+            f"decode_embed, logits, and decode_qkv and decode_finish on each block); a {type(model).__name__} has not"
+        )
     P, V = model.cfg.max_seq_len, model.cfg.vocab_size
     check_prompts(prompts, P)
     n_vocab = min(n_vocab or V, V)

@@ -14,7 +14,7 @@ from jdp import decode, hf
 from jdp.checkpoint import Checkpoints
 from jdp.config import Config, ConfigError, DataConfig, load_config
 from jdp.log import logger
-from jdp.model import make_model
+from jdp.models import make_model
 from jdp.rundir import RunDir, RunDirEscape
 from jdp.tokens import ByteTokenizer, HFTokenizer, load_tokenizer
 

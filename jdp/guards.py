@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from jdp.config import ConfigError
+from jdp.errors import ConfigError
 
 __all__ = ["Batch", "LossFn", "RefusingDonated", "check_batch", "check_rows", "checked_loss", "checking_rows"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jdp.config import ConfigError
+from jdp.errors import ConfigError
 
 __all__ = [
     "DEFAULT_MFU",

@@ -4,7 +4,7 @@
 GPT-2 is jdp's GPT with biases (model.bias=true): the same pre-norm blocks, LayerNorm, tanh GELU, learned positions
 and an output tied to the embedding, and HF's `Conv1D` stores its weights [in, out] like a Flax kernel, so every
 tensor maps one to one. LlamaForCausalLM, Qwen2ForCausalLM (q/k/v biases) and MistralForCausalLM (without a sliding
-window) are jdp's Llama (model.arch=llama, jdp/llama.py): their `nn.Linear` weights are [out, in], the transpose of
+window) are jdp's Llama (model.arch=llama, jdp/models/llama.py): their `nn.Linear` weights are [out, in], the transpose of
 a Flax kernel, and their rotary embedding is the rotate-half one jdp computes, so q and k need no permutation.
 Another architecture is one more `Architecture`: its names, which of them are transposed, its config.json reader
 and writer.
@@ -39,7 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jdp.config import ConfigError, ModelConfig
+from jdp import models
+from jdp.errors import ConfigError
+from jdp.models.config import ModelConfig
 
 __all__ = [
     "ARCHITECTURES",
@@ -94,6 +96,7 @@ class Architecture:
 
     model_type: str
     class_name: str
+    family: str  # the jdp model family (model.arch, jdp/models/) it reads into
     prefix: str  # before every name in the files but the output layer's ("transformer."); names without it read too
     top: dict[str, tuple]  # HF name -> jdp parameter path
     block: dict[str, tuple]  # HF name after "{blocks}.{i}." -> path after ("blocks", i)
@@ -171,6 +174,7 @@ def _gpt2_config(m: ModelConfig) -> dict:
 GPT2 = Architecture(
     model_type="gpt2",
     class_name="GPT2LMHeadModel",
+    family="gpt",
     prefix="transformer.",
     top={
         "wte.weight": ("embed", "embedding"),
@@ -321,7 +325,7 @@ def _llama_config(m: ModelConfig) -> dict:
         scaling = {"rope_type": "llama3", **{theirs: getattr(m, ours) for theirs, ours in _LLAMA3_KEYS.items()}}
     return {
         "hidden_size": m.d_model,
-        "intermediate_size": m.ff_width,
+        "intermediate_size": models.ff_width(m),
         "num_hidden_layers": m.n_layers,
         "num_attention_heads": m.n_heads,
         "num_key_value_heads": m.kv_heads,
@@ -348,6 +352,7 @@ def _llama(model_type: str, class_name: str, biases: bool, config: Callable[[Mod
     return Architecture(
         model_type=model_type,
         class_name=class_name,
+        family="llama",
         prefix="model.",
         top={
             "embed_tokens.weight": ("embed", "embedding"),
@@ -432,7 +437,7 @@ def model_config(path: str | Path, base: ModelConfig | None = None) -> ModelConf
 
 VOCAB_MULTIPLE = 64  # an imported vocabulary is padded to a multiple of this: faster embedding and output matmuls
 # keys whose 0 means "derived": an explicit value agrees with config.json's when the widths they give are equal
-_DERIVED = {"n_kv_heads": "kv_heads", "head_dim": "head_width", "d_ff": "ff_width"}
+_DERIVED = {"n_kv_heads": lambda m: m.kv_heads, "head_dim": lambda m: m.head_width, "d_ff": models.ff_width}
 
 
 @dataclass(frozen=True)
@@ -470,9 +475,7 @@ def adopt(m: ModelConfig, path: str | Path, explicit: frozenset[str] = frozenset
         elif key == "bias" and theirs:
             why = "GPT-2 has biases"
         if name in explicit:
-            same = (
-                getattr(m, _DERIVED[key]) == getattr(theirs_model, _DERIVED[key]) if key in _DERIVED else ours == theirs
-            )
+            same = _DERIVED[key](m) == _DERIVED[key](theirs_model) if key in _DERIVED else ours == theirs
             if not same and not (key == bias_key and not ours):
                 conflicts.append(f"{name}={ours} (config.json: {_shown(theirs)})")
         elif ours != theirs:
@@ -597,11 +600,11 @@ def load_model(m: ModelConfig, path: str | Path):
     `parallel.init_state` places them. The vocabulary rows beyond the file's (a padded model.vocab_size) are zero
     and, with model.vocab_valid set, never get probability.
     """
-    from jdp.model import make_model
+    from jdp.models import make_model
 
     start = time.perf_counter()
     arch = architecture(read_config(path))  # refused here, before any tensor is read, if jdp cannot compute it
-    if (arch is GPT2) != (m.arch == "gpt"):
+    if arch.family != m.arch:
         raise ConfigError(f"{path} holds a {arch.class_name}, but model.arch={m.arch}; leave model.arch out")
     weights = Weights(path, arch.prefix)
     model = nnx.eval_shape(lambda: make_model(m, nnx.Rngs(0)))
@@ -663,15 +666,20 @@ def _placed_value(value: np.ndarray, slot: Slot, shape: tuple, m: ModelConfig, n
 
 
 def _export_architecture(cfg) -> Architecture:
-    """GPT-2 for jdp's GPT; for jdp's Llama, the family the run was imported from (Qwen2 when q/k/v have biases)."""
-    if cfg.model.arch == "gpt":
-        return GPT2
-    if cfg.model.qkv_bias:
-        return QWEN2
+    """The architecture of the model's family: the one its bias switch asks for (Qwen2 when a Llama's q/k/v have
+    biases), else the one the run was imported from, else the family's first (GPT-2, Llama)."""
+    m = cfg.model
+    ours = [a for a in ARCHITECTURES.values() if a.family == m.arch]
+    if not ours:
+        raise ConfigError(
+            f"model.arch={m.arch}: no Hugging Face architecture reads into this family (jdp writes "
+            f"{', '.join(sorted({a.family for a in ARCHITECTURES.values()}))})"
+        )
+    if biased := [a for a in ours if a.bias_key and getattr(m, a.bias_key)]:
+        return biased[0]
     source = cfg.train.init_from
     original = json.loads((Path(source) / CONFIG).read_text()) if source and is_hf_dir(source) else {}
-    family = ARCHITECTURES.get(original.get("model_type"))
-    return family if family in (LLAMA, QWEN2, MISTRAL) else LLAMA
+    return next((a for a in ours if a.model_type == original.get("model_type")), ours[0])
 
 
 def export(model, cfg, out_dir: str | Path, tokenizer_path: str = "byte") -> list[str]:

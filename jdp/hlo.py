@@ -12,7 +12,7 @@ from jdp import parallel, strategies
 from jdp.buckets import bucket_plan
 from jdp.build import batch_spec, build
 from jdp.config import Config, ConfigError, validate
-from jdp.model import lm_loss
+from jdp.models.common import lm_loss
 
 __all__ = [
     "KINDS",

@@ -17,7 +17,8 @@ from jdp.log import logger
 from jdp.memory import check_memory
 from jdp.metrics import flops_per_token
 from jdp.mixture import Mixture
-from jdp.model import lm_loss, make_model
+from jdp.models import make_model
+from jdp.models.common import lm_loss
 from jdp.optim import make_optimizer
 from jdp.sft import ExampleBatches
 from jdp.tokens import documents

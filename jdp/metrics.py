@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdp import models
 from jdp.config import Config
 from jdp.hardware import GPU_PEAK_FLOPS
 from jdp.log import logger
@@ -43,19 +44,17 @@ log = logger("jdp.metrics")
 
 
 def flops_per_token(cfg: Config) -> float:
-    """Training FLOPs per token: 6 x (matmul parameters) plus causal attention, for either model.arch.
+    """Training FLOPs per token: 6 x (matmul parameters) plus causal attention, for any model family.
 
-    Matmul parameters per layer: the query and output projections 2 D H K, the key and value projections 2 D G K
-    (grouped-query attention: G key/value heads of width K), and the MLP, GPT's 2 D F (F = mlp_ratio D) or Llama's
-    SwiGLU 3 D F (gate, up, down); plus V D for the output projection, tied or not. The embedding lookup and
-    positions do no matmul. Attention scores and values cost 2 x 2 L H K per token per layer forward when every
+    Matmul parameters: each block's, as its family counts them (jdp/models/: GPT's q, k, v, output and MLP; Llama's
+    grouped-query projections and SwiGLU), plus V D for the output projection, tied or not. The embedding lookup
+    and positions do no matmul. Attention scores and values cost 2 x 2 L H K per token per layer forward when every
     key is attended; causal masking halves that, and backward doubles forward: 6 L H K per layer. (PaLM's 12 L D
-    counts the masked half too.) For GPT, H K = D and G = H.
+    counts the masked half too.)
     """
     m, L = cfg.model, cfg.data.seq_len
-    D, HK, GK = m.d_model, m.n_heads * m.head_width, m.kv_heads * m.head_width
-    mlp = (3 if m.arch == "llama" else 2) * D * m.ff_width
-    matmul_params = m.n_layers * (2 * D * HK + 2 * D * GK + mlp) + m.vocab_size * D
+    HK = m.n_heads * m.head_width
+    matmul_params = m.n_layers * models.get(m.arch).block_matmul_params(m) + m.vocab_size * m.d_model
     return 6.0 * matmul_params + 6.0 * m.n_layers * L * HK
 
 

@@ -22,7 +22,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from jdp.config import ConfigError
+from jdp.errors import ConfigError
 
 __all__ = ["Mixture", "MixtureBatches", "Pattern", "Schedule", "StreamMixture", "integer_weights"]
 

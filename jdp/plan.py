@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jdp import strategies
+from jdp import models, strategies
 from jdp.attention import attention_scores
 from jdp.buckets import bucket_plan
 from jdp.build import comm_hook
@@ -44,7 +44,8 @@ from jdp.config import Config, ConfigError, load_config, split_config_args, vali
 from jdp.costs import WINDOWS, Buckets, Collectives, Memory, Traffic, ring_s, tree_bytes
 from jdp.hardware import DEFAULT_MFU, INTERCONNECTS, gpu_spec, link_for
 from jdp.metrics import flops_per_token, read_metrics
-from jdp.model import lm_loss, make_model
+from jdp.models import make_model
+from jdp.models.common import lm_loss
 from jdp.optim import make_optimizer
 from jdp.rundir import RunDir
 from jdp.step import param_names
@@ -118,29 +119,18 @@ def activation_bytes(cfg: Config, micro_batch: int, fused_attention: bool) -> in
     the style of Korthikanti et al. 2022, "Reducing Activation Recomputation", counted for this model as XLA
     keeps it; it matches XLA:CPU's float32 programs to about 1%, tests/test_plan.py).
 
-    Per block, in the compute dtype (N = B L tokens, D width, r mlp_ratio): the residual stream into both
-    norms (2 ND), both norm outputs (2 ND), q, k and v (3 ND), the attention output (ND), and the MLP's
-    up-projection, its tanh (GELU's backward uses it) and the GELU output (3 r ND); then the softmax, in
+    Per block: what its family counts (jdp/models/: GPT's and Llama's each in its module) and the softmax, in
     float32: its exponentials and its probabilities (2 B H S, with S = attention.attention_scores(L), about
-    L^2 (n + 1) / 2n for n query blocks), or only the B H L row statistics when the
-    attention is fused (cuDNN). Outside the blocks: the embedding output and the final norm (3 ND), and the
-    float32 logits and their exponentials for the loss (2 N V). No dropout, no recomputation.
-
-    The Llama family (H query heads and G key/value heads of width K, SwiGLU width F): the residual stream and the
-    norm outputs (4 ND), q (NHK), k and v (2 NGK), q and k after RoPE (NHK + NGK), the attention output (NHK),
-    SwiGLU's gate, up, silu(gate) and their product (4 NF); one 1/rms per norm.
+    L^2 (n + 1) / 2n for n query blocks), or only the B H L row statistics when the attention is fused (cuDNN).
+    Outside the blocks: the embedding output and the final norm (3 ND), and the float32 logits and their
+    exponentials for the loss (2 N V). No dropout, no recomputation.
     """
     m, L = cfg.model, cfg.data.seq_len
     N, D = micro_batch * L, m.d_model
     s = jnp.dtype(m.dtype).itemsize
     f32 = 4
     softmax = micro_batch * m.n_heads * (L if fused_attention else 2 * attention_scores(L)) * f32
-    if m.arch == "llama":
-        H, G, K, F = m.n_heads, m.kv_heads, m.head_width, m.ff_width
-        block = (4 * N * D + 3 * N * H * K + 3 * N * G * K + 4 * N * F) * s + softmax + 2 * N * f32
-    else:
-        norm_stats = 2 * 2 * N * f32  # mean and 1/std of both norms
-        block = (8 + 3 * m.mlp_ratio) * N * D * s + softmax + norm_stats
+    block = models.get(m.arch).block_activation_bytes(m, N, s) + softmax
     outside = 3 * N * D * s + 2 * N * m.vocab_size * f32
     return m.n_layers * block + outside
 

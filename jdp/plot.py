@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jdp.config import ConfigError
+from jdp.errors import ConfigError
 from jdp.metrics import read_metrics
 from jdp.rundir import RunDir
 

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdp.buckets import Bucket, bucket_plan
-from jdp.config import ConfigError
+from jdp.errors import ConfigError
 from jdp.guards import RefusingDonated, check_batch, checked_loss, checking_rows
 from jdp.hooks import CommHook, GradBucket, Mean, varying
 from jdp.mesh import AXIS, Batch, batch_axes, replicate, replicated, shard_axis, shard_count, split_spec

@@ -81,7 +81,8 @@ def measure_single(config: str, overrides: list[str], rounds: int, steps: int) -
     from jdp.build import build
     from jdp.data import Prefetcher, load_data
     from jdp.metrics import flops_per_token, peak_flops
-    from jdp.model import lm_loss, make_model
+    from jdp.models import make_model
+    from jdp.models.common import lm_loss
     from jdp.optim import make_optimizer
 
     t = cfg.train

@@ -25,7 +25,8 @@ from flax import nnx
 from jdp import decode
 from jdp.config import load_config
 from jdp.hardware import host_description
-from jdp.model import count_params, make_model
+from jdp.models import make_model
+from jdp.models.common import count_params
 
 PROMPT = list(b"def main():\n    ")
 

@@ -53,7 +53,7 @@ def write_random(path: Path, config: dict, dtype: str) -> None:
 
     from jdp import hf
     from jdp.config import ModelConfig
-    from jdp.model import make_model
+    from jdp.models import make_model
 
     m, arch = dataclasses.replace(ModelConfig(), **hf.model_fields(config)), hf.architecture(config)
     abstract = dict(nnx.to_flat_state(nnx.state(nnx.eval_shape(lambda: make_model(m, nnx.Rngs(0))), nnx.Param)))

@@ -25,7 +25,8 @@ from jdp import parallel
 from jdp.config import load_config, validate
 from jdp.data import load_data
 from jdp.metrics import flops_per_token
-from jdp.model import lm_loss, make_model
+from jdp.models import make_model
+from jdp.models.common import lm_loss
 from jdp.optim import make_optimizer
 
 

@@ -3,7 +3,7 @@
     python scripts/bench_torch.py --config tiny --nproc 2 --global-batch 32 --steps 10
     torchrun --nproc-per-node 8 scripts/bench_torch.py --config gpt2-small --global-batch 64 --dtype bfloat16
 
-The model is jdp/model.py's GPT rebuilt in torch, layer for layer and parameter for parameter (pre-norm blocks,
+The model is jdp/models/gpt.py's GPT rebuilt in torch, layer for layer and parameter for parameter (pre-norm blocks,
 bias-free projections, tanh GELU, tied float32 logits), trained with AdamW + global-norm clipping like jdp's
 step, under DistributedDataParallel (gloo on CPU, nccl on GPUs). Data is random tokens made before the clock
 starts, so only the training step is timed. Rank 0 prints one line: `BENCH_JSON {...}` with tokens/s.

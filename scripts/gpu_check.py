@@ -363,7 +363,8 @@ def child_generate(p: Profile, work: Path) -> dict:
     from bench_generate import PROMPT, tokens_per_sec
 
     from jdp.config import load_config
-    from jdp.model import count_params, make_model
+    from jdp.models import make_model
+    from jdp.models.common import count_params
 
     out = {}
     for name, (config, overrides) in p.models.items():

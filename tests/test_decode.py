@@ -13,7 +13,7 @@ from jdp import decode
 from jdp.cli import generate_arguments
 from jdp.config import ConfigError, load_config
 from jdp.generate import run
-from jdp.model import make_model
+from jdp.models import make_model
 
 P = 64  # model.max_seq_len of the test models
 SMALL = [f"model.max_seq_len={P}", "model.n_layers=2", "model.d_model=64"]

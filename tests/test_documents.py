@@ -13,7 +13,8 @@ from flax import nnx
 
 from jdp.config import ModelConfig, load_config
 from jdp.lm import train
-from jdp.model import lm_loss, make_model
+from jdp.models import make_model
+from jdp.models.common import lm_loss
 from jdp.tokens import documents
 
 EOD = 256

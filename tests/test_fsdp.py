@@ -23,8 +23,9 @@ import jdp
 from jdp import parallel
 from jdp.config import ModelConfig
 from jdp.hlo import collectives, compiled_text
-from jdp.llama import Llama
-from jdp.model import GPT, lm_loss
+from jdp.models.common import lm_loss
+from jdp.models.gpt import GPT
+from jdp.models.llama import Llama
 
 LLAMA = ModelConfig(arch="llama", vocab_size=61, max_seq_len=16, d_model=30, n_layers=2, n_heads=3, n_kv_heads=1,
                     d_ff=50, tie_embeddings=False)  # fmt: skip

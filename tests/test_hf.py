@@ -91,7 +91,7 @@ def test_export_round_trips_every_tensor_and_config_key(tmp_path):
 
 
 def test_a_bias_free_model_exports_zero_biases_and_imports_back(tmp_path):
-    from jdp.model import GPT
+    from jdp.models.gpt import GPT
 
     m = ModelConfig(vocab_size=V, max_seq_len=64, d_model=64, n_layers=2, n_heads=4)
     model = GPT(m, nnx.Rngs(3))
@@ -233,7 +233,7 @@ def test_an_imported_vocabulary_is_padded_to_a_multiple_of_64_unless_set(tmp_pat
 
 def _byte_model(seed: int = 5):
     """A fresh byte-level GPT as `jdp train tiny` makes it: 320 output rows for the byte tokenizer's 257 ids."""
-    from jdp.model import GPT
+    from jdp.models.gpt import GPT
 
     m = ModelConfig(vocab_size=320, max_seq_len=64, d_model=64, n_layers=2, n_heads=4)
     return m, GPT(m, nnx.Rngs(seed))

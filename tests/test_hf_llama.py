@@ -206,7 +206,7 @@ def test_export_returns_every_tensor_and_config_key(tmp_path, path):
 
 def _made(m: ModelConfig, seed: int = 4):
     """A Llama jdp made (not imported): random, with norm scales and biases moved off their 1 and 0."""
-    from jdp.model import make_model
+    from jdp.models import make_model
 
     model = make_model(m, nnx.Rngs(seed))
     params = nnx.state(model, nnx.Param)

@@ -21,7 +21,8 @@ from jdp import parallel
 from jdp.config import ConfigError, load_config, validate
 from jdp.hlo import collectives, compiled_text
 from jdp.hooks import GradBucket, Mean, PowerSGD
-from jdp.model import GPT, lm_loss
+from jdp.models.common import lm_loss
+from jdp.models.gpt import GPT
 
 
 def setup(n_devices, hook, bucket_mb=0.005):

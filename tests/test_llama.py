@@ -26,9 +26,10 @@ from jdp.config import (
     load_config,
     validate,
 )
-from jdp.llama import Llama, rope, rope_frequencies, rope_tables
 from jdp.metrics import flops_per_token
-from jdp.model import count_params, lm_loss, make_model
+from jdp.models import make_model
+from jdp.models.common import count_params, lm_loss
+from jdp.models.llama import Llama, rope, rope_frequencies, rope_tables
 from jdp.optim import make_optimizer
 
 # Grouped-query (4 query heads on 2 key/value heads), untied, q/k/v biases, a SwiGLU width of its own: every branch.

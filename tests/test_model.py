@@ -9,7 +9,8 @@ from flax import nnx
 from jdp import attention as attention_module
 from jdp.attention import attention, attention_scores, causal_attention, query_blocks
 from jdp.config import ModelConfig
-from jdp.model import GPT, count_params, lm_loss
+from jdp.models.common import count_params, lm_loss
+from jdp.models.gpt import GPT
 
 CFG = ModelConfig(vocab_size=64, max_seq_len=16, d_model=32, n_layers=2, n_heads=4)
 

@@ -10,7 +10,8 @@ from flax import nnx
 from jdp import parallel
 from jdp.config import ModelConfig, OptimConfig
 from jdp.hlo import all_reduces, compiled_text
-from jdp.model import GPT, lm_loss
+from jdp.models.common import lm_loss
+from jdp.models.gpt import GPT
 from jdp.optim import make_optimizer
 
 CFG = ModelConfig(vocab_size=64, max_seq_len=16, d_model=32, n_layers=2, n_heads=4)

@@ -21,7 +21,8 @@ from jdp import costs, hardware, memory, parallel, plan, strategies
 from jdp.build import batch_spec, build
 from jdp.cli import plan_arguments
 from jdp.config import ConfigError, load_config, save_config, validate
-from jdp.model import GPT, lm_loss
+from jdp.models.common import lm_loss
+from jdp.models.gpt import GPT
 from jdp.optim import make_optimizer
 
 TINY = ["train.batch_size=8"]

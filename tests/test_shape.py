@@ -1,5 +1,6 @@
-"""The package's shape (README, How it is built): modules import downwards only, collectives live in the step's
-modules (mesh.py, step.py, strategies/), strategy names are compared only in the strategy registry, fault injection
+"""The package's shape (README, How it is built): modules import downwards only (a registry's imports by name
+included), collectives live in the step's modules (mesh.py, step.py, strategies/), strategy names are compared only
+in the strategy registry, model families are asked, never branched on, outside jdp/models/, fault injection
 lives in faults.py, no function outgrows a screen, and the command line starts without JAX."""
 
 import ast
@@ -25,18 +26,30 @@ def imports(path: Path) -> set[str]:
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("jdp"):
-            if node.module in ("jdp", "jdp.strategies"):  # from jdp import parallel; from jdp.strategies import ddp
-                prefix = "" if node.module == "jdp" else "strategies."
-                found |= {prefix + a.name for a in node.names if prefix + a.name in MODULES}
-            if node.module != "jdp":
-                found.add(node.module.removeprefix("jdp."))
+            package = node.module.removeprefix("jdp").removeprefix(".")
+            prefix = package + "." if package else ""  # from jdp import parallel; from jdp.strategies import ddp
+            submodules = {prefix + a.name for a in node.names if prefix + a.name in MODULES}
+            found |= submodules
+            if package and len(submodules) < len(node.names):  # names from the module itself
+                found.add(package)
         elif isinstance(node, ast.Import):
             found |= {a.name.removeprefix("jdp.") for a in node.names if a.name.startswith("jdp.")}
     return found & set(MODULES)
 
 
+def imported_by_name(path: Path) -> set[str]:
+    """The jdp modules `path` names in a string ("jdp.models.gpt"): what a registry imports on first use."""
+    named = {f"jdp.{name}": name for name in MODULES}
+    if "importlib" not in path.read_text():
+        return set()  # a name for another process (`python -m jdp.cli`), not an import
+    return {named[node.value] for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in named}  # fmt: skip
+
+
 def test_no_module_imports_one_that_imports_it_back():
-    graph = {name: imports(path) - {name} for name, path in MODULES.items()}
+    """Registries import by name (importlib), so those names are imports too: a family or strategy module that
+    imported its registry back would be a cycle."""
+    graph = {name: (imports(path) | imported_by_name(path)) - {name} for name, path in MODULES.items()}
     cycles = []
 
     def visit(name: str, stack: list[str]) -> None:
@@ -51,6 +64,7 @@ def test_no_module_imports_one_that_imports_it_back():
     for name in graph:
         visit(name, [name])
     assert not cycles, f"import cycles among jdp modules: {sorted(set(cycles))}"
+    assert {"models.gpt", "models.llama"} <= imported_by_name(MODULES["models"])  # the check sees the registry's
 
 
 def test_modules_import_only_modules_above_them_in_the_readme_table():
@@ -105,6 +119,27 @@ def test_strategy_names_are_compared_only_in_the_strategy_registry():
     ]
     assert offenders == [], offenders
     assert compared.search('if strategy == "zero1":') and compared.search("elif 'dp' in names")  # it finds them
+
+
+def test_model_families_are_asked_never_branched_on_outside_their_package():
+    """Everything jdp asks about a model family is a function of its module (jdp/models/): no comparison of
+    model.arch, no isinstance on a family's model class, no import of one, outside jdp/models/."""
+    families = "GPT|Llama"
+    branch = re.compile(
+        rf"""\barch\s*(==|!=|\bin\b)|(==|!=|\bin\b)\s*[(\[{{]?\s*["'](gpt|llama)["']|isinstance\([^)]*\b({families})\b"""
+        rf"|from jdp\.models\.(gpt|llama) import|\b(gpt|llama)\.({families})\b"
+    )
+    offenders = [
+        f"{name}:{i}: {line.strip()}"
+        for name, path in MODULES.items()
+        if not name.startswith("models")
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if branch.search(line)
+    ]
+    assert offenders == [], offenders
+    for bad in ('if m.arch == "llama":', "isinstance(model, GPT)", "isinstance(model, GPT | Llama)",
+                'untied = cfg.model.arch in ("llama",)', "from jdp.models.llama import rope"):  # fmt: skip
+        assert branch.search(bad), bad  # it finds them
 
 
 def test_fault_injection_lives_in_the_tests_not_in_jdp():

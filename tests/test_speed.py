@@ -16,7 +16,8 @@ from jdp.buckets import bucket_plan
 from jdp.build import build as build_from_config
 from jdp.config import OptimConfig, load_config
 from jdp.hlo import Collective, _rows, all_reduce_report, all_reduces
-from jdp.model import GPT, lm_loss
+from jdp.models.common import lm_loss
+from jdp.models.gpt import GPT
 from jdp.optim import make_optimizer
 from jdp.world import set_xla_flags
 

@@ -17,7 +17,8 @@ from test_parallel import params_close, rel_diff
 from jdp import parallel
 from jdp.config import ModelConfig, OptimConfig
 from jdp.hlo import collectives, compiled_text
-from jdp.model import GPT, lm_loss
+from jdp.models.common import lm_loss
+from jdp.models.gpt import GPT
 from jdp.optim import make_optimizer
 
 # Sizes that 2 and 4 do not divide (a 61 x 30 embedding, norms of 30): most gradients and optimizer slices are

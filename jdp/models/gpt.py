@@ -1,4 +1,5 @@
-"""A GPT-style decoder-only transformer in Flax NNX, and `make_model`, the config's model (GPT or Llama, llama.py); it
+"""jdp's GPT family: a GPT-2-style decoder-only transformer in Flax NNX (learned positions, LayerNorm, GELU MLP,
+multi-head attention, biases by model.bias), and what jdp asks of the family (jdp/models/__init__.py's Family). It
 never mentions devices or meshes.
 
 Dimension glossary: B batch, L sequence length, N = B * L tokens, D model width, H heads, K head width (D / H),
@@ -11,14 +12,45 @@ import math
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from jdp.attention import attention
-from jdp.config import ConfigError, ModelConfig, model_problems
-from jdp.llama import Llama
+from jdp.models.common import mask_padded_vocab
+from jdp.models.config import ModelConfig
 
-__all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "count_params", "lm_loss", "make_model"]
+__all__ = ["GPT", "MLP", "Block", "CausalSelfAttention"]
+
+NAME, TITLE = "gpt", "GPT"
+KEYS = ("mlp_ratio", "bias")  # its own model.* keys, besides the shared ones
+
+
+def problems(m: ModelConfig) -> list[str]:
+    """Nothing beyond the shared checks and the other families' keys (jdp/models/__init__.py)."""
+    return []
+
+
+def build(m: ModelConfig, rngs: nnx.Rngs) -> GPT:
+    return GPT(m, rngs)
+
+
+def ff_width(m: ModelConfig) -> int:
+    """F = mlp_ratio x d_model."""
+    return m.mlp_ratio * m.d_model
+
+
+def block_matmul_params(m: ModelConfig) -> int:
+    """q, k, v and the output projection (4 D^2), the MLP's up and down (2 D F)."""
+    D = m.d_model
+    return 2 * D * m.n_heads * m.head_width + 2 * D * m.kv_heads * m.head_width + 2 * D * ff_width(m)
+
+
+def block_activation_bytes(m: ModelConfig, tokens: int, itemsize: int) -> int:
+    """In the compute dtype: the residual stream into both norms (2 ND), both norm outputs (2 ND), q, k and v
+    (3 ND), the attention output (ND), and the MLP's up-projection, its tanh (GELU's backward uses it) and the GELU
+    output (3 r ND); in float32, the mean and 1/std of both norms (jdp/plan.py's activation_bytes)."""
+    N, D = tokens, m.d_model
+    norm_stats = 2 * 2 * N * 4
+    return (8 + 3 * m.mlp_ratio) * N * D * itemsize + norm_stats
 
 
 def _linear(cfg: ModelConfig, d_in: int, d_out: int, std: float, rngs: nnx.Rngs) -> nnx.Linear:
@@ -79,6 +111,18 @@ class Block(nnx.Module):
         x_NxD = x_NxD + self.attn(self.norm1(x_NxD), B, L, segments_BxL)
         return x_NxD + self.mlp(self.norm2(x_NxD))
 
+    def decode_qkv(self, x_NxD: jax.Array, positions_BxL: jax.Array, tables=None) -> tuple[jax.Array, ...]:
+        """q, k and v (each BxLxHxK) from the block's own norm and projection."""
+        B, L = positions_BxL.shape
+        H = self.attn.n_heads
+        qkv_BxLx3xHxK = self.attn.qkv(self.norm1(x_NxD)).reshape(B, L, 3, H, x_NxD.shape[-1] // H)
+        return tuple(qkv_BxLx3xHxK[:, :, i] for i in range(3))
+
+    def decode_finish(self, x_NxD: jax.Array, y_NxHK: jax.Array) -> jax.Array:
+        """The block after attention: the output projection and residual, then the norm, MLP and residual."""
+        x_NxD = x_NxD + self.attn.out(y_NxHK)
+        return x_NxD + self.mlp(self.norm2(x_NxD))
+
 
 class GPT(nnx.Module):
     """Token embedding + learned positions, pre-norm blocks, final norm, output tied to the embedding."""
@@ -112,38 +156,19 @@ class GPT(nnx.Module):
         x_NxD = x_BxLxD.reshape(B * L, -1)
         for block in self.blocks:
             x_NxD = block(x_NxD, B, L, segments_BxL)
-        logits_NxV = self.embed.attend(self.norm(x_NxD)).astype(jnp.float32)
-        V, valid = self.cfg.vocab_size, self.cfg.vocab_valid
-        if 0 < valid < V:  # the rows padded onto an imported vocabulary never get probability
-            logits_NxV = jnp.where(jnp.arange(V) < valid, logits_NxV, -1e30)
-        return logits_NxV.reshape(B, L, -1)
+        return self.logits(x_NxD).reshape(B, L, -1)
 
+    def logits(self, x_NxD: jax.Array) -> jax.Array:
+        """The final norm and the output projection (tied to the embedding), in float32."""
+        return mask_padded_vocab(self.embed.attend(self.norm(x_NxD)).astype(jnp.float32), self.cfg)
 
-def make_model(m: ModelConfig, rngs: nnx.Rngs) -> GPT | Llama:
-    """The model `m` describes: jdp's GPT (model.arch=gpt) or the Llama family (llama); refused in the config's
-    words when its keys do not fit together (as validate refuses them for `jdp train`)."""
-    families = {"gpt": GPT, "llama": Llama}
-    if m.arch not in families:
-        raise ConfigError(f"model.arch={m.arch!r} must be one of {', '.join(families)}")
-    if problems := model_problems(m):
-        raise ConfigError("invalid model config:\n  " + "\n  ".join(problems))
-    return families[m.arch](m, rngs)
+    # ---- the KV-cache decoder's pieces (jdp/decode.py's Decodable) ----
 
+    def decode_tables(self) -> None:
+        """Nothing to compute once per sampling call: the positions are learned."""
+        return None
 
-def lm_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """Next-token cross-entropy as (sum over weighted tokens, sum of weights).
-
-    Returning sums, not a mean, is what lets the data-parallel step form the exact global
-    token-weighted mean however unevenly padding falls across devices.
-    """
-    if "segments" in batch:  # data.document_attention=within: each document of a packed window on its own
-        logits_BxLxV = model(batch["inputs"], batch["segments"], batch["positions"])
-    else:
-        logits_BxLxV = model(batch["inputs"])
-    nll_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, batch["targets"])
-    weights_BxL = batch["weights"].astype(jnp.float32)
-    return jnp.sum(nll_BxL * weights_BxL), jnp.sum(weights_BxL)
-
-
-def count_params(model: nnx.Module) -> int:
-    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    def decode_embed(self, tokens_BxL: jax.Array, positions_BxL: jax.Array) -> jax.Array:
+        """The tokens' embeddings plus their positions' (each row its own), N x D."""
+        x_BxLxD = self.embed(tokens_BxL) + self.pos_embed[...][positions_BxL].astype(self.cfg.dtype)
+        return x_BxLxD.reshape(-1, x_BxLxD.shape[-1])

@@ -1,4 +1,5 @@
-"""The Llama decoder family (Llama 2/3, Qwen2, Mistral without a sliding window, SmolLM) in Flax NNX.
+"""The Llama decoder family (Llama 2/3, Qwen2, Mistral without a sliding window, SmolLM) in Flax NNX, and what jdp
+asks of the family (jdp/models/__init__.py's Family).
 
 Rotary positions, RMSNorm, a SwiGLU MLP and grouped-query attention, computed as Hugging Face transformers'
 LlamaForCausalLM computes them, so its weights import by name and a plain transpose (jdp/hf.py). It never mentions
@@ -18,9 +19,80 @@ import numpy as np
 from flax import nnx
 
 from jdp.attention import attention
-from jdp.config import ModelConfig
+from jdp.models.common import mask_padded_vocab
+from jdp.models.config import ModelConfig
 
 __all__ = ["MLP", "Attention", "Block", "Llama", "RMSNorm", "rope", "rope_frequencies", "rope_tables"]
+
+NAME, TITLE = "llama", "Llama"
+# its own model.* keys, besides the shared ones
+KEYS = ("n_kv_heads", "d_ff", "head_dim", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
+        "rope_high_freq_factor", "rope_original_max_len", "qkv_bias", "tie_embeddings")  # fmt: skip
+NAMED_REFUSALS = ("bias", "mlp_ratio")  # GPT's keys, refused below in Llama's words
+_LLAMA3_ONLY = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len")
+
+
+def problems(m: ModelConfig) -> list[str]:
+    """Llama's keys that do not fit together, or GPT's set for a Llama (each with Llama's way to say it)."""
+    problems, default = [], ModelConfig()
+    if m.bias:
+        problems.append(
+            "model.bias=true with model.arch=llama: Llama has no biases on o_proj or the MLP; for biases on q, k and v "
+            "(Qwen2) set model.qkv_bias=true instead"
+        )
+    if m.mlp_ratio != default.mlp_ratio:
+        problems.append(
+            f"model.mlp_ratio={m.mlp_ratio} is GPT's MLP width; Llama's is model.d_ff (leave mlp_ratio out)"
+        )
+    if m.n_kv_heads and m.n_heads % m.n_kv_heads:
+        problems.append(
+            f"model.n_kv_heads={m.n_kv_heads} does not divide model.n_heads={m.n_heads}; use a divisor (1: multi-query, "
+            f"{m.n_heads}: multi-head)"
+        )
+    if m.head_width % 2:
+        where = f"model.head_dim={m.head_dim}" if m.head_dim else f"model.d_model / model.n_heads = {m.head_width}"
+        problems.append(f"{where} is odd; RoPE rotates pairs of dimensions: make each head's width even")
+    if m.rope_scaling not in ("", "llama3"):
+        problems.append(
+            f'model.rope_scaling={m.rope_scaling!r}: jdp computes llama3 (Llama 3.1\'s) scaling or none (""); '
+            f"a model with another scaling cannot be trained or imported exactly"
+        )
+    elif not m.rope_scaling:
+        changed = [f"model.{k}={getattr(m, k)}" for k in _LLAMA3_ONLY if getattr(m, k) != getattr(default, k)]
+        if changed:
+            problems.append(
+                f"{', '.join(changed)} without model.rope_scaling=llama3 would be unused; set both or neither"
+            )
+    elif m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        problems.append(
+            f"model.rope_high_freq_factor={m.rope_high_freq_factor} must be more than model.rope_low_freq_factor="
+            f"{m.rope_low_freq_factor} (llama3 scaling blends the wavelengths between them)"
+        )
+    return problems
+
+
+def build(m: ModelConfig, rngs: nnx.Rngs) -> Llama:
+    return Llama(m, rngs)
+
+
+def ff_width(m: ModelConfig) -> int:
+    """F = model.d_ff, or 8/3 d_model rounded up to a multiple of 64 (Llama's rule)."""
+    return m.d_ff or -(-8 * m.d_model // (3 * 64)) * 64
+
+
+def block_matmul_params(m: ModelConfig) -> int:
+    """The query and output projections (2 D H K), the key and value projections (2 D G K: G key/value heads of
+    width K), SwiGLU's gate, up and down (3 D F)."""
+    D = m.d_model
+    return 2 * D * m.n_heads * m.head_width + 2 * D * m.kv_heads * m.head_width + 3 * D * ff_width(m)
+
+
+def block_activation_bytes(m: ModelConfig, tokens: int, itemsize: int) -> int:
+    """In the compute dtype: the residual stream and the norm outputs (4 ND), q (NHK), k and v (2 NGK), q and k
+    after RoPE (NHK + NGK), the attention output (NHK), SwiGLU's gate, up, silu(gate) and their product (4 NF); in
+    float32, one 1/rms per norm."""
+    N, D, H, G, K, F = tokens, m.d_model, m.n_heads, m.kv_heads, m.head_width, ff_width(m)
+    return (4 * N * D + 3 * N * H * K + 3 * N * G * K + 4 * N * F) * itemsize + 2 * N * 4
 
 
 def _linear(cfg: ModelConfig, d_in: int, d_out: int, std: float, rngs: nnx.Rngs, bias: bool = False) -> nnx.Linear:
@@ -108,7 +180,7 @@ class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        D, F = cfg.d_model, cfg.ff_width
+        D, F = cfg.d_model, ff_width(cfg)
         self.gate = _linear(cfg, D, F, 0.02, rngs)
         self.up = _linear(cfg, D, F, 0.02, rngs)
         self.down = _linear(cfg, F, D, 0.02 / math.sqrt(2 * cfg.n_layers), rngs)
@@ -129,6 +201,23 @@ class Block(nnx.Module):
     def __call__(self, x_NxD: jax.Array, B: int, L: int, cos_LxK: jax.Array, sin_LxK: jax.Array,
                  segments_BxL: jax.Array | None = None) -> jax.Array:  # fmt: skip
         x_NxD = x_NxD + self.attn(self.attn_norm(x_NxD), B, L, cos_LxK, sin_LxK, segments_BxL)
+        return x_NxD + self.mlp(self.mlp_norm(x_NxD))
+
+    def decode_qkv(self, x_NxD: jax.Array, positions_BxL: jax.Array, rope_PxK) -> tuple[jax.Array, ...]:
+        """q (BxLxHxK), k and v (BxLxGxK) from the block's own norm and projections, q and k rotated by the rows of
+        rope_PxK = (cos, sin) at each token's position."""
+        B, L = positions_BxL.shape
+        H, G, K, attn = self.attn.H, self.attn.G, self.attn.K, self.attn
+        h_NxD = self.attn_norm(x_NxD)
+        # Each token its own row's position: rope() broadcasts one table row per token over a batch of one.
+        cos_NxK, sin_NxK = (table_PxK[positions_BxL.reshape(-1)] for table_PxK in rope_PxK)
+        q_BxLxHxK = rope(attn.q(h_NxD).reshape(1, B * L, H, K), cos_NxK, sin_NxK).reshape(B, L, H, K)
+        k_BxLxGxK = rope(attn.k(h_NxD).reshape(1, B * L, G, K), cos_NxK, sin_NxK).reshape(B, L, G, K)
+        return q_BxLxHxK, k_BxLxGxK, attn.v(h_NxD).reshape(B, L, G, K)
+
+    def decode_finish(self, x_NxD: jax.Array, y_NxHK: jax.Array) -> jax.Array:
+        """The block after attention: the output projection and residual, then the norm, MLP and residual."""
+        x_NxD = x_NxD + self.attn.o(y_NxHK)
         return x_NxD + self.mlp(self.mlp_norm(x_NxD))
 
 
@@ -165,10 +254,21 @@ class Llama(nnx.Module):
         x_NxD = self.embed(tokens_BxL).reshape(B * L, -1)
         for block in self.blocks:
             x_NxD = block(x_NxD, B, L, cos_LxK, sin_LxK, segments_BxL)
+        return self.logits(x_NxD).reshape(B, L, -1)
+
+    def logits(self, x_NxD: jax.Array) -> jax.Array:
+        """The final norm and the output projection (the embedding's, or lm_head), in float32."""
         x_NxD = self.norm(x_NxD)
         logits = self.embed.attend(x_NxD) if self.cfg.tie_embeddings else self.lm_head(x_NxD)
-        logits_NxV = logits.astype(jnp.float32)
-        V, valid = self.cfg.vocab_size, self.cfg.vocab_valid
-        if 0 < valid < V:  # the rows padded onto an imported vocabulary never get probability
-            logits_NxV = jnp.where(jnp.arange(V) < valid, logits_NxV, -1e30)
-        return logits_NxV.reshape(B, L, -1)
+        return mask_padded_vocab(logits.astype(jnp.float32), self.cfg)
+
+    # ---- the KV-cache decoder's pieces (jdp/decode.py's Decodable) ----
+
+    def decode_tables(self) -> tuple[jax.Array, jax.Array]:
+        """cos and sin of every position (PxK), computed once per sampling call, not per token."""
+        return rope_tables(self.cfg, self.cfg.max_seq_len, self.cfg.dtype)
+
+    def decode_embed(self, tokens_BxL: jax.Array, positions_BxL: jax.Array) -> jax.Array:
+        """The tokens' embeddings, N x D (the positions rotate q and k instead)."""
+        x_BxLxD = self.embed(tokens_BxL)
+        return x_BxLxD.reshape(-1, x_BxLxD.shape[-1])

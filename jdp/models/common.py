@@ -1,0 +1,39 @@
+"""What every family's model shares: the next-token loss, the parameter count, the padded vocabulary's mask."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jdp.models.config import ModelConfig
+
+__all__ = ["count_params", "lm_loss", "mask_padded_vocab"]
+
+
+def mask_padded_vocab(logits_NxV: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The rows padded onto an imported vocabulary (model.vocab_valid on) never get probability."""
+    V, valid = cfg.vocab_size, cfg.vocab_valid
+    if 0 < valid < V:
+        return jnp.where(jnp.arange(V) < valid, logits_NxV, -1e30)
+    return logits_NxV
+
+
+def lm_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Next-token cross-entropy as (sum over weighted tokens, sum of weights).
+
+    Returning sums, not a mean, is what lets the data-parallel step form the exact global
+    token-weighted mean however unevenly padding falls across devices.
+    """
+    if "segments" in batch:  # data.document_attention=within: each document of a packed window on its own
+        logits_BxLxV = model(batch["inputs"], batch["segments"], batch["positions"])
+    else:
+        logits_BxLxV = model(batch["inputs"])
+    nll_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, batch["targets"])
+    weights_BxL = batch["weights"].astype(jnp.float32)
+    return jnp.sum(nll_BxL * weights_BxL), jnp.sum(weights_BxL)
+
+
+def count_params(model: nnx.Module) -> int:
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
