@@ -188,9 +188,7 @@ class Evaluate(Periodic):
     def run(self, loop: Loop, step: int) -> None:
         run = loop.run
         loop.notify("eval", step)
-        sets = (
-            run.eval_data.eval_sets() if hasattr(run.eval_data, "eval_sets") else [("", run.eval_data.eval_batches())]
-        )
+        sets = run.eval_data.eval_sets()
         record, loss_sum, weight = {"step": step}, 0.0, 0.0
         for label, batches in sets:  # a mixture's sources one by one, each named; the overall loss over all of them
             loss_k, weight_k = evaluate(run.eval_step, loop.state, batches, run.mesh, run.batch_size)

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 import jax
 
+from jdp import jax_private
 from jdp.log import PLAIN, logger
 
 __all__ = [
@@ -67,18 +68,7 @@ class KeyValueStore:
 
 def missing_key_value_api() -> list[str]:
     """What jdp needs of JAX's private key-value store that this JAX lacks (empty when all is there)."""
-    try:
-        from jax._src import distributed
-        from jax._src.lib import _jax
-    except ImportError as e:
-        return [f"cannot import it ({e})"]
-    missing = (
-        [] if hasattr(getattr(distributed, "global_state", None), "client") else ["distributed.global_state.client"]
-    )
-    client_type = getattr(_jax, "DistributedRuntimeClient", None)
-    if client_type is None:
-        return [*missing, "jax._src.lib._jax.DistributedRuntimeClient"]
-    return missing + [f"DistributedRuntimeClient.{m}" for m in KeyValueStore.METHODS if not hasattr(client_type, m)]
+    return jax_private.missing_key_value_api(KeyValueStore.METHODS)
 
 
 _warned: set[str] = set()
@@ -98,13 +88,11 @@ def key_value_store() -> KeyValueStore | None:
     """The job's key-value store, or None in a single-process run."""
     if jax.process_count() == 1:
         return None
-    from jax._src import distributed
-
-    client = getattr(getattr(distributed, "global_state", None), "client", None)
+    client = jax_private.distributed_client()
     if client is None:
         raise RuntimeError(
             f"jax {jax.__version__} no longer exposes its key-value store where jdp looks for it "
-            f"(jax._src.distributed.global_state.client; missing: {missing_key_value_api() or 'the client'}); "
+            f"(jdp/jax_private.py's distributed_client; missing: {missing_key_value_api() or 'the client'}); "
             f"use a jax version in pyproject.toml's range"
         )
     return KeyValueStore(client)

@@ -17,7 +17,7 @@ import numpy as np
 
 from jdp.errors import ConfigError
 
-__all__ = ["GlobalOrder", "Loader", "StreamLoader"]
+__all__ = ["GlobalOrder", "Loader", "Source", "StreamLoader", "source_for"]
 
 Batch = dict[str, np.ndarray]
 _NUMERIC = "biufc"  # bool, int, uint, float, complex: what a device array can hold
@@ -64,7 +64,102 @@ class GlobalOrder:
         return step * self.batch_size / self.n
 
 
-class Loader:
+class Source:
+    """What the trainer asks of a run's data, for training and for evaluation (jdp/trainer.py, loop.py,
+    callbacks.py), and nothing else: it never probes. jdp's loaders (Loader, StreamLoader, the text pipeline's
+    lm.Text) subclass it; `source_for` gives a loader of a user's own the defaults below for what it lacks.
+
+    Where a source keeps its place: `position()` is this process's own place in a stream (saved beside each
+    checkpoint, one file per process, handed back to `load_position`); `state()` is what every process keeps alike
+    besides the step (a mixture's schedule), saved in the checkpoint record and handed back to `restore`. A
+    map-style order keeps neither: batch `step` is a function of `(seed, step)`."""
+
+    def local_batch(self, step: int) -> Batch:
+        """This process's rows of global batch `step`."""
+        raise NotImplementedError
+
+    def epoch(self, step: int) -> float:
+        """The epochs done after `step` steps."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """One line for the banner."""
+        return type(self).__name__
+
+    def eval_batches(self) -> Iterator[Batch]:
+        """An evaluation set's batches, this process's rows, each with `valid` (the rows that count)."""
+        raise NotImplementedError
+
+    def eval_sets(self) -> list[tuple[str, Iterator[Batch]]]:
+        """The evaluation sets, each with its label (a mixture's sources); one unlabelled set by default."""
+        return [("", self.eval_batches())]
+
+    def position(self) -> dict | None:
+        """This process's place in a stream after the last batch read, or None (a map-style order)."""
+        return None
+
+    def load_position(self, position: dict) -> None:
+        """Go back to a place position() gave."""
+
+    def state(self) -> dict | None:
+        """What checkpoint records keep of the data besides the step (the same on every process), or None."""
+        return None
+
+    def restore(self, saved: dict, step: int) -> str | None:
+        """Take back what state() gave at `step`; a line saying what changed (reweighted sources), or None."""
+        return None
+
+    def stats(self, step: int) -> dict:
+        """Numbers for the step's metrics record (a mixture's tokens and epochs per source)."""
+        return {}
+
+    def summary(self, step: int) -> dict:
+        """The run's account for summary.json (a mixture's per source), or {}."""
+        return {}
+
+    def describe_sources(self) -> list[str]:
+        """Banner lines, one per source of a mixture."""
+        return []
+
+
+class _OwnLoader(Source):
+    """A user's own loader (it has local_batch or eval_batches), with Source's defaults for the methods it lacks."""
+
+    def __init__(self, loader: Any):
+        self._loader = loader
+        for name in _SOURCE_METHODS:
+            if hasattr(loader, name):
+                setattr(self, name, getattr(loader, name))  # its own method, not the default
+
+    def __getattr__(self, name: str):  # anything else it has (rows, batch_size, ...)
+        return getattr(self._loader, name)
+
+
+_SOURCE_METHODS = [name for name in vars(Source) if not name.startswith("_")]
+
+
+def source_for(data: Any, rows: slice, batch_size: int, seed: int, collate=None, train: bool = True) -> Source | None:
+    """What the trainer reads `data` through, for this process's `rows` of global batches of `batch_size`: a
+    loader as it is (it must read those rows), what a function makes of the rows, or a Loader of a dataset."""
+    if data is None:
+        return None
+    if isinstance(data, Source) or hasattr(data, "local_batch") or hasattr(data, "eval_batches"):
+        made = (getattr(data, "rows", rows), getattr(data, "batch_size", batch_size))
+        if made != (rows, batch_size):
+            raise ConfigError(
+                f"the {'training' if train else 'evaluation'} loader reads rows {made[0].start}:{made[0].stop} of "
+                f"global batches of {made[1]}, but this process's share is rows {rows.start}:{rows.stop} of "
+                f"train.batch_size={batch_size}: pass the dataset itself and the trainer makes the loader, "
+                f"or build it with batch_size=train.batch_size and rows=jdp.process_rows(train.batch_size, mesh)"
+            )
+        return data if isinstance(data, Source) else _OwnLoader(data)
+    if callable(data) and not hasattr(data, "__getitem__"):
+        made = data(rows)
+        return made if made is None or isinstance(made, Source) else _OwnLoader(made)
+    return Loader(data, batch_size, seed=seed, collate=collate, rows=rows, train=train)
+
+
+class Loader(Source):
     """Batches of any source of rows in jdp's global order: a Hugging Face `datasets.Dataset` (any numeric
     columns), a dict of equal-length numpy arrays, or any object with `len()` and `__getitem__(int) -> dict`.
 
@@ -144,7 +239,7 @@ class Loader:
         return f"{self.n:,} rows | {cols} | {self.n / self.batch_size:,.2f} batches of {self.batch_size} per epoch"
 
 
-class StreamLoader:
+class StreamLoader(Source):
     """Batches of a Hugging Face `datasets.IterableDataset` (any columns) as it streams: `Loader(stream, ...)`.
 
     This process reads its own shards (`datasets.distributed.split_dataset_by_node`), in order: no shuffle buffer,

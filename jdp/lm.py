@@ -13,6 +13,7 @@ from jdp import hf
 from jdp.build import comm_hook
 from jdp.config import Config, ConfigError, Derived
 from jdp.data import Data, eval_batches, load_data
+from jdp.dataset import Source
 from jdp.log import logger
 from jdp.memory import check_memory
 from jdp.metrics import flops_per_token
@@ -96,7 +97,7 @@ class LanguageModel(Trainer):
             log.info(change)
 
 
-class Text:
+class Text(Source):
     """The text pipeline as the trainer's loaders: training windows in the global order, validation windows."""
 
     def __init__(self, data: Data, cfg: Config):

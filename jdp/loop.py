@@ -18,6 +18,7 @@ from jdp.checkpoint import Checkpoints
 from jdp.config import Config
 from jdp.coordination import StopAgreement, Watchdog
 from jdp.data import Prefetcher
+from jdp.dataset import Source
 from jdp.log import logger
 from jdp.metrics import GOODPUT_PARTS, MetricsLog, StepMeter, describe_goodput, goodput
 from jdp.rundir import RunDir
@@ -61,8 +62,8 @@ class Run:
 
     cfg: Config
     mesh: jax.sharding.Mesh
-    data: Any  # local_batch(step), position(), epoch(step)
-    eval_data: Any  # eval_batches(), or None: no evaluation
+    data: Source  # what the trainer asks of data (dataset.py)
+    eval_data: Source | None  # None: no evaluation
     graphdef: Any
     state: parallel.TrainState
     train_step: Callable

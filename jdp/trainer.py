@@ -23,12 +23,13 @@ import yaml
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jdp import parallel, strategies
+from jdp import jax_private, parallel, strategies
 from jdp.callbacks import Callback, Checkpoint, Evaluate, ReplicaCheck, imported
 from jdp.checkpoint import Checkpoints, check_param_shapes, check_resumable, config_differences, make_record
 from jdp.config import Config, ConfigError, Derived, save_config, validate
 from jdp.coordination import PeerMonitor, announce_departure, describe_hosts, first_departure, publish_host
 from jdp.corpus import cache_root
+from jdp.dataset import Source, source_for
 from jdp.hooks import CommHook
 from jdp.log import PLAIN, logger, set_rank
 from jdp.loop import Loop, Phases, Result, Run
@@ -121,10 +122,11 @@ class Trainer:
         derived = validate(self.cfg, mesh.devices.size, jax.process_count())
         return dataclasses.replace(derived, tokens_per_step=self.cfg.train.batch_size, unit=self.unit)
 
-    def load_data(self, rows: slice) -> tuple[Any, Any]:
+    def load_data(self, rows: slice) -> tuple[Source, Source | None]:
         """(training loader, evaluation loader or None) for this process's `rows` of every global batch."""
-        return (_loader(self.data, rows, self.cfg, self.collate, train=True),
-                _loader(self.eval_data, rows, self.cfg, self.collate, train=False))  # fmt: skip
+        t = self.cfg.train
+        return (source_for(self.data, rows, t.batch_size, t.seed, self.collate, train=True),
+                source_for(self.eval_data, rows, t.batch_size, t.seed, self.collate, train=False))  # fmt: skip
 
     def make_model(self) -> nnx.Module:
         return self.model() if callable(self.model) and not isinstance(self.model, nnx.Module) else self.model
@@ -226,9 +228,8 @@ class Trainer:
         metrics = MetricsLog(run_dir.metrics, enabled=is_main, tensorboard=t.tensorboard,
                              wandb_project=t.wandb_project, config=cfg.to_dict(), resume_step=resumed_from,
                              missing_steps=missing)  # fmt: skip
-        meter = StepMeter(cfg, derived.tokens_per_step, peak, data.epoch, self.flops_per_unit(),
-                          getattr(data, "stats", None))  # fmt: skip
-        record = steps.recorder(cfg, getattr(data, "state", None))
+        meter = StepMeter(cfg, derived.tokens_per_step, peak, data.epoch, self.flops_per_unit(), data.stats)
+        record = steps.recorder(cfg, data.state)
         callbacks = [ReplicaCheck(t.check_replicas_every)]
         if eval_data is not None:
             callbacks.append(Evaluate(t.eval_every or t.steps))
@@ -258,7 +259,7 @@ class Trainer:
         state = steps.after_restore(state, record)
         if data.position() is not None:  # a loader with a position of its own (streaming) takes it back
             data.load_position(stream_position(run_dir, start))
-        if (saved := record.get("data", {}).get("state")) is not None and hasattr(data, "restore"):
+        if (saved := record.get("data", {}).get("state")) is not None:
             if change := data.restore(saved, start):  # a mixture's schedule, reweighted if the weights changed
                 log.info(change)
         return ckpts, start, state
@@ -313,10 +314,8 @@ class Steps:
 def apply_xla_options(cfg: Config) -> None:
     """jdp's XLA options (the gradient buckets' collective flags) and host allocator settings, as `jdp train` sets
     them, if JAX has not started yet; if it has, a warning names the options that could not be applied."""
-    from jax._src import xla_bridge  # private, but the only way to ask whether a backend exists (jax 0.10-0.12)
-
     p, strategy = cfg.parallel, strategies.get(cfg.parallel.strategy)
-    if not xla_bridge.backends_are_initialized():
+    if not jax_private.backends_are_initialized():
         strategy.set_xla_flags(p.bucket_mb)
         keep_scratch_memory()
     elif missing := strategy.set_xla_flags(p.bucket_mb, environ=dict(os.environ)):
@@ -345,27 +344,6 @@ def build_steps(model, loss_fn, optimizer, mesh, cfg: Config, schedule=None, com
     )  # fmt: skip
     eval_step = parallel.make_strategy_eval_step(eval_graphdef, loss_fn, mesh, p.strategy)
     return Steps(graphdef, state, train_step, eval_step, optimizer, mesh, p.strategy, comm_hook)
-
-
-def _loader(data, rows: slice, cfg: Config, collate, train: bool):
-    """A loader of `data` for this process's rows: itself, what a function makes of the rows, or jdp's Dataset."""
-    if data is None:
-        return None
-    if hasattr(data, "local_batch") or hasattr(data, "eval_batches"):  # a loader already: it must read our rows
-        made = (getattr(data, "rows", rows), getattr(data, "batch_size", cfg.train.batch_size))
-        if made != (rows, cfg.train.batch_size):
-            raise ConfigError(
-                f"the {'training' if train else 'evaluation'} loader reads rows {made[0].start}:{made[0].stop} of "
-                f"global batches of {made[1]}, but this process's share is rows {rows.start}:{rows.stop} of "
-                f"train.batch_size={cfg.train.batch_size}: pass the dataset itself and the trainer makes the loader, "
-                f"or build it with batch_size=train.batch_size and rows=jdp.process_rows(train.batch_size, mesh)"
-            )
-        return data
-    if callable(data) and not hasattr(data, "__getitem__"):
-        return data(rows)
-    from jdp.dataset import Loader
-
-    return Loader(data, cfg.train.batch_size, seed=cfg.train.seed, collate=collate, rows=rows, train=train)
 
 
 def hold(lock: RunLock, run_dir: RunDir, cfg: Config) -> int | None:
@@ -500,7 +478,7 @@ def banner(cfg: Config, world: World, derived, model_line: str, data, run_dir, r
         f"{compression(par)} | "
         f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
         f"data {data.describe()}{epochs}",
-        *(f"data | {line}" for line in getattr(data, "describe_sources", list)()),
+        *(f"data | {line}" for line in data.describe_sources()),
         f"run dir {run_dir.path} | {where} | compile cache {cache or 'off (train.compile_cache=false)'}",
     ]
 
@@ -536,7 +514,7 @@ def finish(run: Run, world: World, derived: Derived, r: Result) -> dict:
         "params_sha256": params_sha256(r.state.params, r.state.shapes),
         "params_fingerprint": fingerprint(r.state.params, r.state.shapes),
     }
-    if sources := getattr(run.data, "summary", lambda step: {})(r.done):  # a mixture: each source's account
+    if sources := run.data.summary(r.done):  # a mixture: each source's account
         summary["sources"] = sources
     if jax.process_index() == 0:
         run.run_dir.summary.write_text(json.dumps(summary, indent=1))

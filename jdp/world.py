@@ -427,8 +427,7 @@ def source_address(host: str, port: int) -> str | None:
 def use_gloo_on(world: World) -> tuple[str, str]:
     """Make JAX's CPU backend use gloo on gloo_endpoint's address (before any device is touched); returns the line
     that says where. JAX builds gloo from its own defaults; jdp registers the CPU backend's factory again with
-    gloo made on that address (jax._src.xla_bridge: internal; every multi-process test goes through it, on JAX 0.10
-    and the newest, and tests/test_hosts.py across hosts).
+    gloo made on that address (JAX's private API: jdp/jax_private.py).
     Returns (the address or interface gloo uses, '' where gloo chose it; the line)."""
     options, why = gloo_endpoint(world)
     where = options.get("hostname") or options.get("interface") or ""
@@ -436,14 +435,9 @@ def use_gloo_on(world: World) -> tuple[str, str]:
     if not options:
         return "", line
     try:
-        from jax._src import distributed, xla_bridge
-        from jax._src.lib import _jax
+        from jdp.jax_private import use_gloo_cpu_backend
 
-        def make_cpu_client():
-            collectives = _jax.make_gloo_tcp_collectives(distributed_client=distributed.global_state.client, **options)
-            return xla_bridge.make_cpu_client(collectives=collectives)
-
-        xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)
+        use_gloo_cpu_backend(options)
     except (ImportError, AttributeError, TypeError, RuntimeError) as e:  # another JAX: its defaults, said so
         return (
             "",

@@ -142,6 +142,27 @@ def test_model_families_are_asked_never_branched_on_outside_their_package():
         assert branch.search(bad), bad  # it finds them
 
 
+def test_the_trainer_asks_its_data_never_probes_it():
+    """The trainer, the loop and its callbacks call what dataset.Source says a run's data does; only
+    dataset.source_for looks at what a user handed in (and gives a loader of their own Source's defaults)."""
+    probe = re.compile(r"\b(hasattr|getattr)\((run\.)?(data|eval_data|self\.data|run\.eval_data)\b")
+    offenders = [
+        f"{name}:{i}: {line.strip()}"
+        for name in ("trainer", "loop", "callbacks", "lm")
+        for i, line in enumerate(MODULES[name].read_text().splitlines(), 1)
+        if probe.search(line)
+    ]
+    assert offenders == [], offenders
+    assert probe.search('getattr(data, "stats", None)') and probe.search('hasattr(run.eval_data, "eval_sets")')
+
+
+def test_jax_private_api_is_used_in_one_module():
+    """JAX's private API moves between versions: every use is in jdp/jax_private.py, which says which it was
+    checked on, so a new JAX breaks one module, by name."""
+    users = sorted(name for name, path in MODULES.items() if "jax._src" in path.read_text())
+    assert users == ["jax_private"], users
+
+
 def test_fault_injection_lives_in_the_tests_not_in_jdp():
     """The tests inject faults through a callback of their own (tests/inject.py); jdp has no fault code."""
     offenders = [name for name, path in MODULES.items() if "JDP_TEST_" in path.read_text()]
