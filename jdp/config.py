@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from jdp import models, strategies
+from jdp import formats, models, strategies
 from jdp.errors import ConfigError
 from jdp.models.config import ModelConfig
 from jdp.rundir import RunDir
@@ -65,10 +65,11 @@ class DataConfig:
     sources: tuple = ()
     # across: attention spans the whole packed window, positions count from its start (GPT-2's training);
     # within: each document attends only to itself and its positions restart (docs/data.md); auto: within for
-    # fine-tuning data (data.format chat or prompt), across for text
+    # fine-tuning data (data.format chat or prompt: formats.py says), across for text
     document_attention: str = "auto"
     # text: documents in data.text_column; chat: a `messages` column rendered with the tokenizer's chat template,
-    # the loss on assistant turns only; prompt: `prompt` and `completion` columns, the loss on the completion
+    # the loss on assistant turns only; prompt: `prompt` and `completion` columns, the loss on the completion; or a
+    # format registered with jdp.formats.register
     format: str = "text"
     chat_template: str = ""  # data.format=chat: a .jinja file or tokenizer_config.json; "": data.tokenizer's own
     overlong: str = "truncate"  # a fine-tuning example longer than a window: truncate or drop it (counted either way)
@@ -76,7 +77,8 @@ class DataConfig:
     @property
     def within_documents(self) -> bool:
         """Whether attention stays within documents (data.document_attention, auto resolved)."""
-        return self.document_attention == "within" or (self.document_attention == "auto" and self.format != "text")
+        auto = self.document_attention == "auto" and self.format in formats.names()
+        return self.document_attention == "within" or (auto and formats.get(self.format).within_documents)
 
 
 # What a data.sources entry may set for its source alone; the rest of data.* is the mixture's.
@@ -380,7 +382,7 @@ CHOICES = {
     "data.encoding_errors": ("strict", "replace", "ignore"),
     "data.text_unit": ("file", "line", "paragraph"),
     "data.document_attention": ("auto", "across", "within"),
-    "data.format": ("text", "chat", "prompt"),
+    "data.format": formats.names,  # jdp's formats, those registered later too
     "data.overlong": ("truncate", "drop"),
     "optim.name": ("adamw", "sgd"),
     "parallel.strategy": strategies.names,  # looked up at each check: a strategy registered later counts
@@ -434,8 +436,8 @@ def mixture_problems(d: DataConfig) -> list[str]:
             f"data.source={d.source} and data.sources are both set; a mixture names every source in data.sources "
             f"(add {{source: {d.source}, weight: 1}} there and leave data.source out)"
         )
-    if d.format != "text":
-        problems.append(f"data.format={d.format} with data.sources: a mixture of fine-tuning data is not supported yet")
+    if d.format in formats.names() and not (fmt := formats.get(d.format)).mixes:
+        problems.append(f"data.format={d.format} with data.sources: a mixture of {fmt.what} is not supported yet")
     for i, entry in enumerate(d.sources):
         w = entry.get("weight", 1.0)
         if not (math.isfinite(w) and w > 0):
@@ -459,10 +461,8 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Derived:
     """Everything about the config alone that can be wrong, checked before data or compilation."""
     m, d, t, par = cfg.model, cfg.data, cfg.train, cfg.parallel
     problems = _value_problems(cfg) + models.problems(m) + mixture_problems(d)
-    if d.format != "text" and d.streaming:
-        problems.append(
-            f"data.format={d.format} with data.streaming=true: streamed fine-tuning data is not supported yet"
-        )
+    if d.streaming and d.format in formats.names() and not (fmt := formats.get(d.format)).streams:
+        problems.append(f"data.format={d.format} with data.streaming=true: streamed {fmt.what} is not supported yet")
     if d.seq_len > m.max_seq_len:
         problems.append(
             f"data.seq_len={d.seq_len} is longer than the model supports (model.max_seq_len={m.max_seq_len}); "

@@ -15,6 +15,7 @@ from typing import Any
 
 from filelock import FileLock
 
+from jdp import formats
 from jdp.config import ConfigError, DataConfig
 
 __all__ = [
@@ -319,7 +320,7 @@ def _check_documents(cfg: DataConfig, ds, where: str) -> None:
     """The text column exists and holds text, and a map-style dataset has rows."""
     import datasets
 
-    needs = {"text": [cfg.text_column], "chat": ["messages"], "prompt": ["prompt", "completion"]}[cfg.format]
+    needs = formats.get(cfg.format).columns(cfg)
     if ds.column_names is not None and (missing := [c for c in needs if c not in ds.column_names]):
         hint = "set data.text_column"
         if cfg.format == "text" and "messages" in ds.column_names:

@@ -1,35 +1,32 @@
-"""Data: the global batch of (seed, step), this process's rows of it, and the background prefetcher.
+"""The text pipeline's data: the global batch of (seed, step) and this process's rows of it, for any data.format.
 
-Map-style data is tokenized once into cached streams (tokens.py) and cut into windows; streaming data packs
-windows on the fly (stream.py). Either way every problem is reported before compilation.
+data.format picks how documents become training windows (formats.py): text is tokenized once into cached streams
+(tokens.py) and cut into windows, or packed on the fly when streamed (stream.py); chat and prompt are packed
+fine-tuning examples (sft.py); a mixture is mixture.py's. Each is a dataset.Windows, which Data asks and never
+branches on. Every problem is reported before compilation.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import queue
-import threading
-import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
-from jdp import stream
+from jdp import formats, stream
 from jdp.config import ConfigError, DataConfig
 from jdp.corpus import open_corpus
-from jdp.dataset import GlobalOrder
+from jdp.dataset import GlobalOrder, Prefetcher, Windows
 from jdp.log import logger
 from jdp.mixture import MixtureBatches, Source, StreamMixture, integer_weights
-from jdp.sft import ExampleBatches, load_examples
-from jdp.tokens import ByteTokenizer, HFTokenizer, Tokens, load_tokenizer, n_windows, tokenize, windows
+from jdp.tokens import ByteTokenizer, HFTokenizer, Tokens, eval_batches, load_tokenizer, n_windows, tokenize, windows
 
-__all__ = ["Batches", "Data", "Prefetcher", "eval_batches", "load_data"]
+__all__ = ["Batches", "Data", "Prefetcher", "eval_batches", "load_data", "load_text"]
 
 log = logger("jdp.data")
 
 
-class Batches:
+class Batches(Windows):
     """The training batches: global batch `step` is a pure function of (seed, step).
 
     Windows are rows in jdp's global order (dataset.GlobalOrder): one fresh permutation per epoch, concatenated
@@ -54,66 +51,50 @@ class Batches:
         """This process's rows of global batch `step`."""
         return windows(self.stream, self.indices(step)[rows], self.seq_len)
 
+    def local_batch(self, step: int, rows: slice) -> dict[str, np.ndarray]:
+        return self.batch(step, rows)
 
-def eval_batches(stream: np.ndarray, seq_len: int, batch_size: int, rows: slice = slice(None)):
-    """Every validation window once, in order; the last batch is padded with zero-weight rows."""
-    n = n_windows(stream, seq_len)
-    for start in range(0, n, batch_size):
-        idx = np.arange(start, start + batch_size)
-        yield windows(stream, np.where(idx < n, idx, -1)[rows], seq_len)
+    def banner(self, data: Data) -> str:
+        t, unit = data.tokens, f"{data.unit}; " if data.unit else ""
+        return (
+            f"{t.n_docs:,} documents ({unit}{t.n_empty} empty, skipped) | train {len(t.train):,} tokens = "
+            f"{self.n:,} windows | {data.describe_val()} | {data.describe_tokenizer()}"
+        )
 
 
 @dataclass
 class Data:
     tokenizer: ByteTokenizer | HFTokenizer
-    tokens: Tokens  # for streaming: the validation stream only
-    train: Batches  # or stream.StreamBatches
+    tokens: Tokens  # the validation stream (and, for map-style text, the training one)
+    train: Windows  # the training windows, of whichever format (formats.py)
     rows: slice  # this process's rows of every global batch
+    seq_len: int
+    batch_size: int  # the global batch
     unit: str = ""  # what one document is ("one per .txt file, data.text_unit=file"); "" for other sources
     val_split: str = ""  # the split that validates; "" when documents are held out of the training split
 
     def local_batch(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of global batch `step` (streams: the next batch; steps come in order)."""
-        if isinstance(self.train, Batches | MixtureBatches | ExampleBatches):
-            return self.train.batch(step, self.rows)
-        if isinstance(self.train, StreamMixture):  # this process's rows are its own already
-            return self.train.batch(step)
-        return self.train.next_batch()
+        return self.train.local_batch(step, self.rows)
 
     def position(self) -> dict | None:
         """Where a streaming loader stands (its state_dict); None for map-style data, whose position is the step."""
-        return None if isinstance(self.train, Batches | MixtureBatches | ExampleBatches) else self.train.state_dict()
+        return self.train.position()
+
+    def eval_sets(self) -> list[tuple[str, object]]:
+        return self.train.eval_sets(self)
 
     def describe(self) -> str:
-        if isinstance(self.train, ExampleBatches):
-            return f"{self.train.describe()} | tokenizer {self.tokenizer.name} (vocab {self.tokenizer.vocab_size})"
-        if isinstance(self.train, StreamMixture):
-            tok = f"tokenizer {self.tokenizer.name} (vocab {self.tokenizer.vocab_size})"
-            return (
-                f"streaming mixture of {len(self.train.sources)} sources, each process its own shards of each | {tok}"
-            )
-        if isinstance(self.train, MixtureBatches):
-            m, tok = self.train, f"tokenizer {self.tokenizer.name} (vocab {self.tokenizer.vocab_size})"
-            val = (
-                f"val {sum(len(s.val) for s in m.sources):,} tokens"
-                if any(len(s.val) for s in m.sources)
-                else "no validation"
-            )
-            return f"mixture of {len(m.sources)} sources, {m.n:,} windows in all | {val} | {tok}"
-        t, tok = self.tokens, f"tokenizer {self.tokenizer.name} (vocab {self.tokenizer.vocab_size})"
-        if not len(t.val):
-            val = "no validation"
-        else:
-            held = f"from split {self.val_split!r}" if self.val_split else "held out of the training documents"
-            val = f"val {len(t.val):,} tokens {held}"
-        if not isinstance(self.train, Batches):
-            unit = f" (documents: {self.unit})" if self.unit else ""
-            return f"streaming, each process its own shards{unit} | {val} | {tok}"
-        unit = f"{self.unit}; " if self.unit else ""
-        return (
-            f"{t.n_docs:,} documents ({unit}{t.n_empty} empty, skipped) | train {len(t.train):,} tokens = "
-            f"{self.train.n:,} windows | {val} | {tok}"
-        )
+        return self.train.banner(self)
+
+    def describe_tokenizer(self) -> str:
+        return f"tokenizer {self.tokenizer.name} (vocab {self.tokenizer.vocab_size})"
+
+    def describe_val(self) -> str:
+        if not len(self.tokens.val):
+            return "no validation"
+        held = f"from split {self.val_split!r}" if self.val_split else "held out of the training documents"
+        return f"val {len(self.tokens.val):,} tokens {held}"
 
 
 def load_data(
@@ -135,29 +116,15 @@ def load_data(
         )
     if cfg.sources:
         mixture = load_mixture(cfg, tokenizer, batch_size, seed, rows, rank, world)
-        return Data(tokenizer, Tokens(np.zeros(0, np.uint16), np.zeros(0, np.uint16), 0, 0), mixture, rows)
+        empty = Tokens(np.zeros(0, np.uint16), np.zeros(0, np.uint16), 0, 0)
+        return Data(tokenizer, empty, mixture, rows, cfg.seq_len, batch_size)
     corpus = open_corpus(cfg, streaming=cfg.streaming)
-    if cfg.format != "text":  # fine-tuning examples, packed whole into windows (sft.py)
-        train_ex, val_ex = load_examples(corpus, tokenizer, cfg, seed)
-        if len(train_ex.tokens) < batch_size:
-            raise ConfigError(
-                f"data.source={cfg.source}: {train_ex.describe()}, fewer windows than one global batch "
-                f"(train.batch_size={batch_size}); use more data, a longer data.seq_len or a smaller batch"
-            )
-        if train_ex.answer_tokens == 0:
-            raise ConfigError(
-                f"data.source={cfg.source}: no training example keeps a token of its answer ({train_ex.describe()}): "
-                f"they are longer than data.seq_len={cfg.seq_len} and their answers come last; raise data.seq_len "
-                f"(and model.max_seq_len)"
-            )
-        if train_ex.truncated or train_ex.dropped:
-            log.warning(f"data.overlong={cfg.overlong}: {train_ex.describe()}")
-        if cfg.val_tokens > 0 and not len(val_ex.tokens):
-            raise ConfigError(f"data.source={cfg.source}: no validation examples; raise data.val_tokens or set it to 0")
-        empty = Tokens(np.zeros(0, np.uint16), np.zeros(0, np.uint16), train_ex.n_examples, 0)
-        return Data(
-            tokenizer, empty, ExampleBatches(train_ex, val_ex, batch_size, seed), rows, corpus.unit, corpus.val_split
-        )
+    train, tokens = formats.get(cfg.format).load(corpus, tokenizer, cfg, batch_size, seed, rows, rank, world)
+    return Data(tokenizer, tokens, train, rows, cfg.seq_len, batch_size, corpus.unit, corpus.val_split)
+
+
+def load_text(corpus, tokenizer, cfg: DataConfig, batch_size: int, seed: int, rows: slice, rank: int, world: int):
+    """data.format=text: documents tokenized into one stream and cut into windows (streamed: packed as read)."""
     if cfg.streaming:
         val, held_out = stream.hold_out(corpus.train if corpus.val is None else corpus.val, tokenizer, cfg)
         exclude = held_out if corpus.val is None else set()  # a validation split shares no documents with training
@@ -182,7 +149,10 @@ def load_data(
         raise ConfigError(
             f"data.val_tokens={cfg.val_tokens} holds out fewer than data.seq_len+1 tokens; raise it (or 0 for no evaluation)"
         )
-    return Data(tokenizer, tokens, train, rows, corpus.unit, corpus.val_split)
+    return train, tokens
+
+
+formats.attach("text", load_text)
 
 
 def load_mixture(
@@ -231,64 +201,3 @@ def load_mixture(
             f"(train.batch_size={batch_size}); use more data, a shorter seq_len or a smaller batch"
         )
     return mixture
-
-
-class Prefetcher:
-    """Makes `produce(step)` for steps start..stop-1 on a background thread, at most `depth` batches ahead.
-
-    `wait_s` adds up how long the training loop waited for data: time the devices may have sat idle.
-    depth=0 produces each batch in the loop itself (no thread), for debugging.
-    """
-
-    def __init__(self, produce: Callable[[int], object], start: int, stop: int, depth: int = 2):
-        self.wait_s = 0.0
-        self._produce, self._next, self._stop_at, self._depth = produce, start, stop, depth
-        self._stop = threading.Event()
-        if depth > 0:
-            self._queue: queue.Queue = queue.Queue(maxsize=depth)
-            self._thread = threading.Thread(target=self._run, daemon=True, name="jdp-prefetch")
-            self._thread.start()
-
-    def _put(self, item) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _run(self) -> None:
-        try:
-            for step in range(self._next, self._stop_at):
-                if not self._put((step, self._produce(step))):
-                    return
-        except BaseException as e:  # handed to the training loop, which re-raises it
-            self._put((None, e))
-
-    def __iter__(self) -> Iterator:
-        return self
-
-    def __next__(self):
-        start = time.perf_counter()
-        if self._depth == 0:
-            if self._next >= self._stop_at:
-                raise StopIteration
-            step, item = self._next, self._produce(self._next)
-            self._next += 1
-        else:
-            if self._next >= self._stop_at:
-                raise StopIteration
-            step, item = self._queue.get()
-            if step is None:
-                if isinstance(item, ConfigError):  # bad input found while reading (a streamed file, say)
-                    raise item
-                raise RuntimeError("the data loader thread failed") from item
-            self._next = step + 1
-        self.wait_s += time.perf_counter() - start
-        return step, item
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._depth > 0:
-            self._thread.join(timeout=5)

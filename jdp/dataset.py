@@ -8,8 +8,10 @@ stream.py's approach for text).
 
 from __future__ import annotations
 
+import queue
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -17,7 +19,7 @@ import numpy as np
 
 from jdp.errors import ConfigError
 
-__all__ = ["GlobalOrder", "Loader", "Source", "StreamLoader", "source_for"]
+__all__ = ["GlobalOrder", "Loader", "Prefetcher", "Source", "StreamLoader", "Windows", "source_for"]
 
 Batch = dict[str, np.ndarray]
 _NUMERIC = "biufc"  # bool, int, uint, float, complex: what a device array can hold
@@ -157,6 +159,52 @@ def source_for(data: Any, rows: slice, batch_size: int, seed: int, collate=None,
         made = data(rows)
         return made if made is None or isinstance(made, Source) else _OwnLoader(made)
     return Loader(data, batch_size, seed=seed, collate=collate, rows=rows, train=train)
+
+
+class Windows:
+    """What the text pipeline asks of its training windows (data.Data and lm.Text, which never branch on their
+    kind): one source's windows (data.Batches), a stream's (stream.StreamBatches), a mixture's (mixture.py), packed
+    fine-tuning examples (sft.ExampleBatches), or a data format's own (formats.py). Every method but local_batch,
+    epoch and banner has a default for a map-style order of one source."""
+
+    def local_batch(self, step: int, rows: slice) -> Batch:
+        """This process's `rows` of global batch `step` (a stream: its next batch, its rows its own already)."""
+        raise NotImplementedError
+
+    def epoch(self, step: int) -> float:
+        raise NotImplementedError
+
+    def banner(self, data: Any) -> str:
+        """The banner's data line (`data`: the data.Data these windows are part of: tokenizer, validation tokens)."""
+        raise NotImplementedError
+
+    def eval_sets(self, data: Any) -> list[tuple[str, Iterator[Batch]]]:
+        """The validation sets, each labelled ("" alone): data.val_tokens held out as windows, by default."""
+        from jdp.tokens import eval_batches
+
+        return [("", eval_batches(data.tokens.val, data.seq_len, data.batch_size, data.rows))]
+
+    def position(self) -> dict | None:
+        """A stream's place after its last batch (its state_dict); None for a map-style order."""
+        return None
+
+    def load_position(self, position: dict) -> None:
+        """Go back to a place position() gave (a map-style order has none to go back to)."""
+
+    def describe_sources(self, steps: int) -> list[str]:
+        return []
+
+    def stats(self, step: int) -> dict:
+        return {}
+
+    def summary(self, step: int) -> dict:
+        return {}
+
+    def state(self) -> dict | None:
+        return None
+
+    def restore(self, saved: dict, step: int) -> str:
+        return ""
 
 
 class Loader(Source):
@@ -703,3 +751,64 @@ def _check_collated(batch: Any, n_rows: int) -> Batch:
             )
         out[k] = v
     return out
+
+
+class Prefetcher:
+    """Makes `produce(step)` for steps start..stop-1 on a background thread, at most `depth` batches ahead.
+
+    `wait_s` adds up how long the training loop waited for data: time the devices may have sat idle.
+    depth=0 produces each batch in the loop itself (no thread), for debugging.
+    """
+
+    def __init__(self, produce: Callable[[int], object], start: int, stop: int, depth: int = 2):
+        self.wait_s = 0.0
+        self._produce, self._next, self._stop_at, self._depth = produce, start, stop, depth
+        self._stop = threading.Event()
+        if depth > 0:
+            self._queue: queue.Queue = queue.Queue(maxsize=depth)
+            self._thread = threading.Thread(target=self._run, daemon=True, name="jdp-prefetch")
+            self._thread.start()
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        try:
+            for step in range(self._next, self._stop_at):
+                if not self._put((step, self._produce(step))):
+                    return
+        except BaseException as e:  # handed to the training loop, which re-raises it
+            self._put((None, e))
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self):
+        start = time.perf_counter()
+        if self._depth == 0:
+            if self._next >= self._stop_at:
+                raise StopIteration
+            step, item = self._next, self._produce(self._next)
+            self._next += 1
+        else:
+            if self._next >= self._stop_at:
+                raise StopIteration
+            step, item = self._queue.get()
+            if step is None:
+                if isinstance(item, ConfigError):  # bad input found while reading (a streamed file, say)
+                    raise item
+                raise RuntimeError("the data loader thread failed") from item
+            self._next = step + 1
+        self.wait_s += time.perf_counter() - start
+        return step, item
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._depth > 0:
+            self._thread.join(timeout=5)

@@ -12,16 +12,14 @@ from flax import nnx
 from jdp import hf
 from jdp.build import comm_hook
 from jdp.config import Config, ConfigError, Derived
-from jdp.data import Data, eval_batches, load_data
+from jdp.data import Data, load_data
 from jdp.dataset import Source
 from jdp.log import logger
 from jdp.memory import check_memory
 from jdp.metrics import flops_per_token
-from jdp.mixture import Mixture
 from jdp.models import make_model
 from jdp.models.common import lm_loss
 from jdp.optim import make_optimizer
-from jdp.sft import ExampleBatches
 from jdp.tokens import documents
 from jdp.trainer import Trainer
 from jdp.world import World
@@ -115,7 +113,7 @@ class Text(Source):
         return self.data.position()
 
     def load_position(self, position: dict) -> None:
-        self.train.load_state_dict(position)
+        self.train.load_position(position)
 
     def epoch(self, step: int) -> float:
         return self.train.epoch(step)
@@ -125,36 +123,26 @@ class Text(Source):
 
     def describe_sources(self) -> list[str]:
         """A mixture's sources, one line each (none for one source)."""
-        return self.train.describe(self.steps) if isinstance(self.train, Mixture) else []
+        return self.train.describe_sources(self.steps)
 
     def stats(self, step: int) -> dict:
         """A mixture's per-source tokens and epochs after `step` steps, for metrics.jsonl ({} for one source)."""
-        return self.train.stats(step) if isinstance(self.train, Mixture) else {}
+        return self.train.stats(step)
 
     def summary(self, step: int) -> dict:
         """summary.json's per-source account after `step` steps ({} for one source)."""
-        return self.train.summary(step) if isinstance(self.train, Mixture) else {}
+        return self.train.summary(step)
 
     def state(self) -> dict | None:
         """What the checkpoint record keeps of the data besides the step: a mixture's schedule."""
-        return self.train.state() if isinstance(self.train, Mixture) else None
+        return self.train.state()
 
     def restore(self, saved: dict, step: int) -> str:
-        return self.train.restore(saved, step) if isinstance(self.train, Mixture) else ""
-
-    def eval_batches(self):
-        """Every validation window once, in order; the last batch padded with zero-weight rows."""
-        if isinstance(self.train, ExampleBatches):
-            return map(self.documents, self.train.eval_batches(self.data.rows))
-        batches = eval_batches(self.data.tokens.val, self.seq_len, self.batch_size, self.data.rows)
-        return map(self.documents, batches)
+        return self.train.restore(saved, step)
 
     def eval_sets(self) -> list[tuple[str, object]]:
-        """A mixture's validation sets, one per source with validation windows: (label, its batches)."""
-        if not isinstance(self.train, Mixture):
-            return [("", self.eval_batches())]
-        return [(s.label, map(self.documents, eval_batches(s.val, self.seq_len, self.batch_size, self.data.rows)))
-                for s in self.train.sources if len(s.val) > self.seq_len]  # fmt: skip
+        """The validation sets (a mixture's: one per source with validation windows), each (label, its batches)."""
+        return [(label, map(self.documents, batches)) for label, batches in self.data.eval_sets()]
 
 
 def checked_import(cfg: Config, explicit: frozenset[str] = frozenset()) -> tuple[Config, list[str]]:

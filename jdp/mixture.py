@@ -22,6 +22,7 @@ from fractions import Fraction
 
 import numpy as np
 
+from jdp.dataset import Windows
 from jdp.errors import ConfigError
 
 __all__ = ["Mixture", "MixtureBatches", "Pattern", "Schedule", "StreamMixture", "integer_weights"]
@@ -141,9 +142,10 @@ class Source:
     val: np.ndarray
 
 
-class Mixture:
+class Mixture(Windows):
     """What both kinds of mixture share: the sources' labels and the schedule of rows, with what follows from it
-    (each source's rows and tokens, the state a checkpoint keeps, a reweighted resume)."""
+    (each source's rows and tokens, the state a checkpoint keeps, a reweighted resume, one validation set per
+    source)."""
 
     labels: list[str]
     weights: tuple[int, ...]
@@ -182,6 +184,13 @@ class Mixture:
 
     def where(self, step: int) -> str:
         raise NotImplementedError
+
+    def eval_sets(self, data) -> list:
+        """One validation set per source that has a window of them: (label, its batches)."""
+        from jdp.tokens import eval_batches
+
+        return [(s.label, eval_batches(s.val, self.seq_len, self.batch_size, data.rows))
+                for s in self.sources if len(s.val) > self.seq_len]  # fmt: skip
 
 
 def assemble(sources: np.ndarray, part) -> dict[str, np.ndarray]:
@@ -230,6 +239,19 @@ class MixtureBatches(Mixture):
         sources, idx = (a[rows] for a in self.rows_of(step))
         return assemble(sources, lambda k, sel: windows(self.sources[k].stream, idx[sel], self.seq_len))
 
+    def local_batch(self, step: int, rows: slice) -> dict[str, np.ndarray]:
+        return self.batch(step, rows)
+
+    def banner(self, data) -> str:
+        val = (
+            f"val {sum(len(s.val) for s in self.sources):,} tokens"
+            if any(len(s.val) for s in self.sources)
+            else "no validation"
+        )
+        return (
+            f"mixture of {len(self.sources)} sources, {self.n:,} windows in all | {val} | {data.describe_tokenizer()}"
+        )
+
     def epoch(self, step: int) -> float:
         """Rows trained over all the sources' windows (each source's own epochs: `stats`)."""
         return step * self.batch_size / self.n
@@ -259,7 +281,7 @@ class MixtureBatches(Mixture):
             for s, g, n in zip(self.sources, self.given(step), self.sizes, strict=True)
         )
 
-    def describe(self, steps: int) -> list[str]:
+    def describe_sources(self, steps: int) -> list[str]:
         """One line per source: documents, tokens, windows, share, and its epochs after `steps` steps."""
         return [
             f"{s.label}: {s.n_docs:,} documents ({s.n_empty} empty, skipped), {len(s.stream):,} tokens = {n:,} "
@@ -287,6 +309,21 @@ class StreamMixture(Mixture):
         """This process's rows of global batch `step`, each the next window of its scheduled source's stream."""
         sources, _ = self.schedule.rows((step * self.batch_size + np.arange(self.batch_size))[self.rows])
         return assemble(sources, lambda k, sel: self.streams[k].next_windows(len(sel)))
+
+    def local_batch(self, step: int, rows: slice) -> dict[str, np.ndarray]:
+        return self.batch(step)  # this process's rows are its own already
+
+    def position(self) -> dict:
+        return self.state_dict()
+
+    def load_position(self, position: dict) -> None:
+        self.load_state_dict(position)
+
+    def banner(self, data) -> str:
+        return (
+            f"streaming mixture of {len(self.sources)} sources, each process its own shards of each | "
+            f"{data.describe_tokenizer()}"
+        )
 
     def epoch(self, step: int) -> float:
         return float(min(s.epoch_count for s in self.streams))
@@ -325,7 +362,7 @@ class StreamMixture(Mixture):
         for stream, saved in zip(self.streams, state["streams"], strict=True):
             stream.load_state_dict(saved)
 
-    def describe(self, steps: int) -> list[str]:
+    def describe_sources(self, steps: int) -> list[str]:
         return [
             f"{label}: streamed, share {share:.1%}" for label, share in zip(self.labels, self.shares(), strict=True)
         ]

@@ -27,10 +27,16 @@ from pathlib import Path
 import numpy as np
 from filelock import FileLock
 
+from jdp import formats
 from jdp.config import ConfigError, DataConfig
 from jdp.corpus import cache_root
+from jdp.dataset import GlobalOrder, Windows
+from jdp.log import logger
+from jdp.tokens import Tokens
 
-__all__ = ["ChatTemplate", "ExampleBatches", "Examples", "load_examples", "pack"]
+__all__ = ["ChatTemplate", "ExampleBatches", "Examples", "load_examples", "load_windows", "pack"]
+
+log = logger("jdp.sft")
 
 FORMAT_VERSION = 1
 
@@ -266,19 +272,20 @@ def _build(cache: Path, corpus, tokenizer, cfg: DataConfig, seed: int, template)
         raise
 
 
-class ExampleBatches:
+class ExampleBatches(Windows):
     """The training batches of packed examples: global batch `step` is a pure function of (seed, step), every
     window once per epoch (dataset.GlobalOrder), as for text; `eval_batches` every validation window once."""
 
     def __init__(self, train: Examples, val: Examples, batch_size: int, seed: int):
-        from jdp.dataset import GlobalOrder
-
         self.examples, self.val, self.batch_size = train, val, batch_size
         self.n = len(train.tokens)
         self.order = GlobalOrder(self.n, batch_size, seed)
 
     def batch(self, step: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
         return self.examples.batch(self.order.indices(step)[rows])
+
+    def local_batch(self, step: int, rows: slice) -> dict[str, np.ndarray]:
+        return self.batch(step, rows)
 
     def epoch(self, step: int) -> float:
         return self.order.epoch(step)
@@ -289,5 +296,38 @@ class ExampleBatches:
             idx = np.arange(start, start + self.batch_size)
             yield self.val.batch(np.where(idx < n, idx, -1)[rows])
 
+    def eval_sets(self, data) -> list:
+        return [("", self.eval_batches(data.rows))]
+
     def describe(self) -> str:
         return f"train {self.examples.describe()} | val {self.val.describe()}"
+
+    def banner(self, data) -> str:
+        return f"{self.describe()} | {data.describe_tokenizer()}"
+
+
+def load_windows(corpus, tokenizer, cfg: DataConfig, batch_size: int, seed: int, rows: slice, rank: int, world: int):
+    """data.format=chat or prompt: examples packed whole into windows, the loss on their answers; their validation
+    examples are theirs (the returned validation tokens are empty)."""
+    train_ex, val_ex = load_examples(corpus, tokenizer, cfg, seed)
+    if len(train_ex.tokens) < batch_size:
+        raise ConfigError(
+            f"data.source={cfg.source}: {train_ex.describe()}, fewer windows than one global batch "
+            f"(train.batch_size={batch_size}); use more data, a longer data.seq_len or a smaller batch"
+        )
+    if train_ex.answer_tokens == 0:
+        raise ConfigError(
+            f"data.source={cfg.source}: no training example keeps a token of its answer ({train_ex.describe()}): "
+            f"they are longer than data.seq_len={cfg.seq_len} and their answers come last; raise data.seq_len "
+            f"(and model.max_seq_len)"
+        )
+    if train_ex.truncated or train_ex.dropped:
+        log.warning(f"data.overlong={cfg.overlong}: {train_ex.describe()}")
+    if cfg.val_tokens > 0 and not len(val_ex.tokens):
+        raise ConfigError(f"data.source={cfg.source}: no validation examples; raise data.val_tokens or set it to 0")
+    empty = Tokens(np.zeros(0, np.uint16), np.zeros(0, np.uint16), train_ex.n_examples, 0)
+    return ExampleBatches(train_ex, val_ex, batch_size, seed), empty
+
+
+formats.attach("chat", load_windows)
+formats.attach("prompt", load_windows)

@@ -8,6 +8,7 @@ import numpy as np
 
 from jdp.config import ConfigError, DataConfig
 from jdp.corpus import data_files, decoding_error, resolve_source
+from jdp.dataset import Windows
 from jdp.tokens import windows
 
 __all__ = ["StreamBatches", "hold_out"]
@@ -50,7 +51,7 @@ def hold_out(ds, tokenizer, cfg: DataConfig) -> tuple[np.ndarray, set[bytes]]:
     return np.concatenate(parts), digests
 
 
-class StreamBatches:
+class StreamBatches(Windows):
     """This process's rows of each global batch, packed from its own shards of the stream.
 
     Shards are split between processes with `datasets.distributed.split_dataset_by_node`; documents are
@@ -112,6 +113,19 @@ class StreamBatches:
     def next_batch(self) -> dict[str, np.ndarray]:
         """The next `rows` windows of this process's stream."""
         return self.next_windows(self.rows)
+
+    def local_batch(self, step: int, rows: slice) -> dict[str, np.ndarray]:
+        return self.next_batch()  # steps come in order; this process's rows are its own shards'
+
+    def position(self) -> dict:
+        return self.state_dict()
+
+    def load_position(self, position: dict) -> None:
+        self.load_state_dict(position)
+
+    def banner(self, data) -> str:
+        unit = f" (documents: {data.unit})" if data.unit else ""
+        return f"streaming, each process its own shards{unit} | {data.describe_val()} | {data.describe_tokenizer()}"
 
     def next_windows(self, rows: int) -> dict[str, np.ndarray]:
         """The next `rows` windows of this process's stream (a mixture takes as many as the schedule gives it)."""

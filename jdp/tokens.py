@@ -17,6 +17,7 @@ from jdp.corpus import cache_root
 from jdp.log import logger
 
 __all__ = [
+    "eval_batches",
     "FORMAT_VERSION",
     "ByteTokenizer",
     "HFTokenizer",
@@ -245,6 +246,14 @@ def windows(stream: np.ndarray, idx: np.ndarray, seq_len: int) -> dict[str, np.n
     w = stream[starts].astype(np.int32)
     weights = np.repeat(valid[:, None], seq_len, axis=1).astype(np.float32)
     return {"inputs": w[:, :-1], "targets": w[:, 1:], "weights": weights}
+
+
+def eval_batches(stream: np.ndarray, seq_len: int, batch_size: int, rows: slice = slice(None)):
+    """Every validation window once, in order; the last batch is padded with zero-weight rows."""
+    n = n_windows(stream, seq_len)
+    for start in range(0, n, batch_size):
+        idx = np.arange(start, start + batch_size)
+        yield windows(stream, np.where(idx < n, idx, -1)[rows], seq_len)
 
 
 def documents(batch: dict[str, np.ndarray], eod_id: int) -> dict[str, np.ndarray]:
