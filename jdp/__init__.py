@@ -48,7 +48,7 @@ _EXPORTS = {
     "every": "jdp.callbacks",
     "Callback": "jdp.callbacks",
     "StepInfo": "jdp.callbacks",
-    "Loader": "jdp.dataset",
+    "Loader": "jdp.data.dataset",
     "RowDropout": "jdp.nn",
 }
 __all__ = [
@@ -99,7 +99,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from jdp.callbacks import Callback, StepInfo, every
     from jdp.config import Config, ConfigError, load_config
-    from jdp.dataset import Loader
+    from jdp.data.dataset import Loader
     from jdp.lm import train
     from jdp.models import make_model
     from jdp.models.common import lm_loss

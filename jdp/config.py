@@ -13,7 +13,8 @@ from typing import Any
 
 import yaml
 
-from jdp import formats, models, strategies
+from jdp import models, strategies
+from jdp.data import formats
 from jdp.errors import ConfigError
 from jdp.models.config import ModelConfig
 from jdp.rundir import RunDir
@@ -69,7 +70,7 @@ class DataConfig:
     document_attention: str = "auto"
     # text: documents in data.text_column; chat: a `messages` column rendered with the tokenizer's chat template,
     # the loss on assistant turns only; prompt: `prompt` and `completion` columns, the loss on the completion; or a
-    # format registered with jdp.formats.register
+    # format registered with jdp.data.formats.register
     format: str = "text"
     chat_template: str = ""  # data.format=chat: a .jinja file or tokenizer_config.json; "": data.tokenizer's own
     overlong: str = "truncate"  # a fine-tuning example longer than a window: truncate or drop it (counted either way)

@@ -13,10 +13,10 @@ from flax import nnx
 from jdp import decode, hf
 from jdp.checkpoint import Checkpoints
 from jdp.config import Config, ConfigError, DataConfig, load_config
+from jdp.data.tokens import ByteTokenizer, HFTokenizer, load_tokenizer
 from jdp.log import logger
 from jdp.models import make_model
 from jdp.rundir import RunDir, RunDirEscape
-from jdp.tokens import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = [
     "Tokenizer",

@@ -693,7 +693,7 @@ def export(model, cfg, out_dir: str | Path, tokenizer_path: str = "byte") -> lis
     (model.vocab_valid, or a byte model's 320 rows for 257 ids), would otherwise get probability in transformers."""
     from safetensors.numpy import save_file
 
-    from jdp.tokens import load_tokenizer
+    from jdp.data.tokens import load_tokenizer
 
     m, source = cfg.model, cfg.train.init_from
     out = Path(out_dir)

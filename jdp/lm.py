@@ -12,15 +12,15 @@ from flax import nnx
 from jdp import hf
 from jdp.build import comm_hook
 from jdp.config import Config, ConfigError, Derived
-from jdp.data import Data, load_data
-from jdp.dataset import Source
+from jdp.data.dataset import Source
+from jdp.data.pipeline import Data, load_data
+from jdp.data.tokens import documents
 from jdp.log import logger
 from jdp.memory import check_memory
 from jdp.metrics import flops_per_token
 from jdp.models import make_model
 from jdp.models.common import lm_loss
 from jdp.optim import make_optimizer
-from jdp.tokens import documents
 from jdp.trainer import Trainer
 from jdp.world import World
 

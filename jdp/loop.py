@@ -17,7 +17,7 @@ from jdp.callbacks import Callback, StepInfo
 from jdp.checkpoint import Checkpoints
 from jdp.config import Config
 from jdp.coordination import StopAgreement, Watchdog
-from jdp.dataset import Prefetcher, Source
+from jdp.data.dataset import Prefetcher, Source
 from jdp.log import logger
 from jdp.metrics import GOODPUT_PARTS, MetricsLog, StepMeter, describe_goodput, goodput
 from jdp.rundir import RunDir

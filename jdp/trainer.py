@@ -28,8 +28,8 @@ from jdp.callbacks import Callback, Checkpoint, Evaluate, ReplicaCheck, imported
 from jdp.checkpoint import Checkpoints, check_param_shapes, check_resumable, config_differences, make_record
 from jdp.config import Config, ConfigError, Derived, save_config, validate
 from jdp.coordination import PeerMonitor, announce_departure, describe_hosts, first_departure, publish_host
-from jdp.corpus import cache_root
-from jdp.dataset import Source, source_for
+from jdp.data.corpus import cache_root
+from jdp.data.dataset import Source, source_for
 from jdp.hooks import CommHook
 from jdp.log import PLAIN, logger, set_rank
 from jdp.loop import Loop, Phases, Result, Run

@@ -4,8 +4,8 @@ tokenized and cut into windows as data.format=text does. Nothing under jdp/ name
 from __future__ import annotations
 
 from jdp.data import Batches
-from jdp.formats import Format
-from jdp.tokens import tokenize
+from jdp.data.formats import Format
+from jdp.data.tokens import tokenize
 
 
 def load(corpus, tokenizer, cfg, batch_size: int, seed: int, rows: slice, rank: int, world: int):

@@ -1,4 +1,4 @@
-"""jdp.data: documents from local files, tokenization and caching, windows, and the (seed, step) batches."""
+"""jdp.data (corpus, tokens, pipeline): documents from local files, tokenization and caching, windows, and the (seed, step) batches."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-import jdp.corpus as jd
+import jdp.data.corpus as jd
 from jdp.config import ConfigError, DataConfig
-from jdp.corpus import load_documents
 from jdp.data import Batches, eval_batches, load_data
-from jdp.tokens import ByteTokenizer, HFTokenizer, load_tokenizer, n_windows, tokenize, windows
+from jdp.data.corpus import load_documents
+from jdp.data.tokens import ByteTokenizer, HFTokenizer, load_tokenizer, n_windows, tokenize, windows
 
 EOD = ByteTokenizer.eod_id
 

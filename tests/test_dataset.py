@@ -1,4 +1,4 @@
-"""jdp.dataset: any source of rows in the global order: exactly once, carried across epochs, world-size invariant."""
+"""jdp.data.dataset: any source of rows in the global order: exactly once, carried across epochs, world-size invariant."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jdp.config import ConfigError
-from jdp.dataset import GlobalOrder, Loader
+from jdp.data.dataset import GlobalOrder, Loader
 
 
 def images(n: int, seed: int = 0) -> datasets.Dataset:

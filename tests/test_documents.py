@@ -12,10 +12,10 @@ import pytest
 from flax import nnx
 
 from jdp.config import ModelConfig, load_config
+from jdp.data.tokens import documents
 from jdp.lm import train
 from jdp.models import make_model
 from jdp.models.common import lm_loss
-from jdp.tokens import documents
 
 EOD = 256
 

@@ -1,4 +1,4 @@
-"""A data format is one registry entry (jdp/formats.py): one defined in tests/format_reversed.py and registered
+"""A data format is one registry entry (jdp/data/formats.py): one defined in tests/format_reversed.py and registered
 from here, with no file under jdp/ naming it, feeds the trainer its own windows, and a run of it killed and run
 again under `jdp train` ends with the uninterrupted run's every loss and parameters, bit for bit."""
 
@@ -12,9 +12,8 @@ import format_reversed
 import inject
 import pytest
 
-from jdp import formats
 from jdp.config import ConfigError, load_config, validate
-from jdp.data import load_data
+from jdp.data import formats, load_data
 
 TESTS = Path(__file__).resolve().parent
 CORPUS = TESTS / "data" / "run-before-redesign" / "corpus"

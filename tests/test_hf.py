@@ -243,7 +243,7 @@ TEXT = "héllo, wörld ✓\n\tdef f(x):\n\t\treturn x"
 
 
 def test_a_byte_export_has_only_the_byte_tokenizers_ids_and_their_probabilities(tmp_path):
-    from jdp.tokens import ByteTokenizer
+    from jdp.data.tokens import ByteTokenizer
 
     m, model = _byte_model()
     out = tmp_path / "out"
@@ -408,7 +408,7 @@ def test_transformers_gives_a_byte_export_only_the_tokenizers_ids(tmp_path):
     can produce (none for the padding rows), and its tokenizer encodes bytes as jdp does."""
     torch = pytest.importorskip("torch", reason="the live transformers check needs torch (pip install -e .[hf])")
     transformers = pytest.importorskip("transformers", reason="the live check needs transformers (.[hf])")
-    from jdp.tokens import ByteTokenizer
+    from jdp.data.tokens import ByteTokenizer
 
     m, model = _byte_model()
     hf.export(model, _config(m), tmp_path / "out")

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from jdp.config import ConfigError, DataConfig
-from jdp.corpus import open_stream
 from jdp.data import Batches, Prefetcher, load_data
-from jdp.stream import StreamBatches, hold_out
-from jdp.tokens import ByteTokenizer
+from jdp.data.corpus import open_stream
+from jdp.data.stream import StreamBatches, hold_out
+from jdp.data.tokens import ByteTokenizer
 
 EOD = ByteTokenizer.eod_id
 

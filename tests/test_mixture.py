@@ -13,9 +13,9 @@ from test_faults import ckpt_steps, losses, run, summary
 from jdp.checkpoint import config_differences
 from jdp.config import ConfigError, DataConfig, load_config, source_labels, validate
 from jdp.data import load_data
+from jdp.data.mixture import MAX_PERIOD, Pattern, Schedule, integer_weights
+from jdp.data.tokens import ByteTokenizer
 from jdp.metrics import read_metrics
-from jdp.mixture import MAX_PERIOD, Pattern, Schedule, integer_weights
-from jdp.tokens import ByteTokenizer
 
 EOD = ByteTokenizer.eod_id
 

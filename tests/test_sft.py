@@ -11,9 +11,9 @@ import pytest
 
 from jdp.config import ConfigError, DataConfig, load_config, validate
 from jdp.data import load_data
+from jdp.data.sft import ChatTemplate, chat_example, pack, prompt_example
+from jdp.data.tokens import ByteTokenizer, HFTokenizer
 from jdp.lm import train
-from jdp.sft import ChatTemplate, chat_example, pack, prompt_example
-from jdp.tokens import ByteTokenizer, HFTokenizer
 
 LLAMA3 = (
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"

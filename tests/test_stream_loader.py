@@ -16,7 +16,7 @@ from flax import nnx
 import jdp
 from jdp import parallel
 from jdp.config import ConfigError
-from jdp.dataset import Loader, StreamLoader
+from jdp.data.dataset import Loader, StreamLoader
 from jdp.rundir import RunDir
 
 

@@ -22,7 +22,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from jdp.dataset import Windows
+from jdp.data.dataset import Windows
 from jdp.errors import ConfigError
 
 __all__ = ["Mixture", "MixtureBatches", "Pattern", "Schedule", "StreamMixture", "integer_weights"]
@@ -187,7 +187,7 @@ class Mixture(Windows):
 
     def eval_sets(self, data) -> list:
         """One validation set per source that has a window of them: (label, its batches)."""
-        from jdp.tokens import eval_batches
+        from jdp.data.tokens import eval_batches
 
         return [(s.label, eval_batches(s.val, self.seq_len, self.batch_size, data.rows))
                 for s in self.sources if len(s.val) > self.seq_len]  # fmt: skip
@@ -212,8 +212,8 @@ class MixtureBatches(Mixture):
     endless order (a fresh permutation of its windows per its own epoch, seed stream k+1)."""
 
     def __init__(self, sources: list[Source], weights: tuple[int, ...], seq_len: int, batch_size: int, seed: int):
-        from jdp.dataset import GlobalOrder
-        from jdp.tokens import n_windows
+        from jdp.data.dataset import GlobalOrder
+        from jdp.data.tokens import n_windows
 
         self.sources, self.seq_len, self.batch_size, self.seed = sources, seq_len, batch_size, seed
         self.labels = [s.label for s in sources]
@@ -234,7 +234,7 @@ class MixtureBatches(Mixture):
 
     def batch(self, step: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
         """This process's rows of global batch `step`: each row from its own source's stream."""
-        from jdp.tokens import windows
+        from jdp.data.tokens import windows
 
         sources, idx = (a[rows] for a in self.rows_of(step))
         return assemble(sources, lambda k, sel: windows(self.sources[k].stream, idx[sel], self.seq_len))

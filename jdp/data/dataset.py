@@ -180,7 +180,7 @@ class Windows:
 
     def eval_sets(self, data: Any) -> list[tuple[str, Iterator[Batch]]]:
         """The validation sets, each labelled ("" alone): data.val_tokens held out as windows, by default."""
-        from jdp.tokens import eval_batches
+        from jdp.data.tokens import eval_batches
 
         return [("", eval_batches(data.tokens.val, data.seq_len, data.batch_size, data.rows))]
 

@@ -7,9 +7,9 @@ import hashlib
 import numpy as np
 
 from jdp.config import ConfigError, DataConfig
-from jdp.corpus import data_files, decoding_error, resolve_source
-from jdp.dataset import Windows
-from jdp.tokens import windows
+from jdp.data.corpus import data_files, decoding_error, resolve_source
+from jdp.data.dataset import Windows
+from jdp.data.tokens import windows
 
 __all__ = ["StreamBatches", "hold_out"]
 

@@ -13,7 +13,7 @@ import numpy as np
 from filelock import FileLock
 
 from jdp.config import ConfigError, DataConfig
-from jdp.corpus import cache_root
+from jdp.data.corpus import cache_root
 from jdp.log import logger
 
 __all__ = [

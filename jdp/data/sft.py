@@ -27,12 +27,12 @@ from pathlib import Path
 import numpy as np
 from filelock import FileLock
 
-from jdp import formats
 from jdp.config import ConfigError, DataConfig
-from jdp.corpus import cache_root
-from jdp.dataset import GlobalOrder, Windows
+from jdp.data import formats
+from jdp.data.corpus import cache_root
+from jdp.data.dataset import GlobalOrder, Windows
+from jdp.data.tokens import Tokens
 from jdp.log import logger
-from jdp.tokens import Tokens
 
 __all__ = ["ChatTemplate", "ExampleBatches", "Examples", "load_examples", "load_windows", "pack"]
 

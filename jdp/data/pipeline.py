@@ -13,13 +13,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jdp import formats, stream
 from jdp.config import ConfigError, DataConfig
-from jdp.corpus import open_corpus
-from jdp.dataset import GlobalOrder, Prefetcher, Windows
+from jdp.data import formats, stream
+from jdp.data.corpus import open_corpus
+from jdp.data.dataset import GlobalOrder, Prefetcher, Windows
+from jdp.data.mixture import MixtureBatches, Source, StreamMixture, integer_weights
+from jdp.data.tokens import (
+    ByteTokenizer,
+    HFTokenizer,
+    Tokens,
+    eval_batches,
+    load_tokenizer,
+    n_windows,
+    tokenize,
+    windows,
+)
 from jdp.log import logger
-from jdp.mixture import MixtureBatches, Source, StreamMixture, integer_weights
-from jdp.tokens import ByteTokenizer, HFTokenizer, Tokens, eval_batches, load_tokenizer, n_windows, tokenize, windows
 
 __all__ = ["Batches", "Data", "Prefetcher", "eval_batches", "load_data", "load_text"]
 

@@ -15,8 +15,8 @@ from typing import Any
 
 from filelock import FileLock
 
-from jdp import formats
 from jdp.config import ConfigError, DataConfig
+from jdp.data import formats
 
 __all__ = [
     "BUILDERS",
