@@ -139,6 +139,54 @@ def _slurm_gpus(env: Mapping[str, str]) -> tuple[int, ...] | None:
     return tuple(range(local * each, (local + 1) * each))
 
 
+def _from_jax(env: Mapping[str, str]) -> World | None:
+    """JAX's own variables (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID; jdp launch sets them)."""
+    if not any(env.get(k) for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")):
+        return None
+    ids = env.get("JDP_LOCAL_DEVICE_IDS")
+    local = tuple(_int("JDP_LOCAL_DEVICE_IDS", "id", i) for i in ids.split(",")) if ids else None
+    coord, n, pid = env.get("JAX_COORDINATOR_ADDRESS"), env.get("JAX_NUM_PROCESSES"), env.get("JAX_PROCESS_ID")
+    return _checked("JAX_* variables", coord, n, pid, local)
+
+
+def _from_torchrun(env: Mapping[str, str]) -> World | None:
+    """torchrun's variables (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE)."""
+    if not any(env.get(k) for k in ("WORLD_SIZE", "RANK")):
+        return None
+    addr, port = env.get("MASTER_ADDR"), _torchrun_port(env)
+    n = env.get("WORLD_SIZE")
+    coord = f"{addr}:{port}" if addr and port else ("localhost:0" if n == "1" else None)
+    # torchrun starts one process per GPU: LOCAL_RANK picks this process's GPU.
+    per_node = _int("torchrun", "LOCAL_WORLD_SIZE", env.get("LOCAL_WORLD_SIZE", "1"))
+    local = (_int("torchrun", "LOCAL_RANK", env["LOCAL_RANK"]),) if per_node > 1 and env.get("LOCAL_RANK") else None
+    return _checked("torchrun variables (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK)", coord, n, env.get("RANK"), local)
+
+
+def _from_slurm(env: Mapping[str, str]) -> World | None:
+    """SLURM's variables, inside a job step (srun)."""
+    if not all(k in env for k in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
+                                  "SLURM_LOCALID")):  # fmt: skip
+        return None
+    n = _int("SLURM", "SLURM_NTASKS", env["SLURM_NTASKS"])
+    return _checked("SLURM variables", _slurm_coordinator(env), n, env["SLURM_PROCID"], _slurm_gpus(env))
+
+
+def _from_open_mpi(env: Mapping[str, str]) -> World | None:
+    """Open MPI's variables (mpirun): JAX finds the coordinator itself."""
+    if "OMPI_COMM_WORLD_SIZE" not in env:
+        return None
+    n, pid = env["OMPI_COMM_WORLD_SIZE"], env.get("OMPI_COMM_WORLD_RANK")
+    world = _checked("Open MPI variables", "auto:0", n, pid)
+    return dataclasses.replace(world, coordinator=None, auto_detect=world.num_processes > 1)
+
+
+# How a job describes itself, one detector each (env -> World, or None when it finds nothing): a new launcher is
+# one more entry. DESCRIBED ones must agree where more than one is found; a SCHEDULER's is only consulted when none
+# is (a launcher running inside a SLURM allocation describes its own workers with JAX's variables).
+DESCRIBED = (_from_jax, _from_torchrun)
+SCHEDULERS = (_from_slurm, _from_open_mpi)
+
+
 def resolve_world(
     coordinator: str | None = None,
     num_processes: int | None = None,
@@ -146,40 +194,17 @@ def resolve_world(
     local_device_ids: tuple[int, ...] | None = None,
     env: Mapping[str, str] | None = None,
 ) -> World:
-    """The job this process belongs to, from the first of: explicit options, JAX's variables, torchrun's
-    variables, SLURM's, Open MPI's; one process alone when none is there.
+    """The job this process belongs to, from the first of: explicit options, then the detectors (DESCRIBED: JAX's
+    variables, torchrun's; SCHEDULERS: SLURM's, Open MPI's); one process alone when none finds one.
 
-    The first three must agree where more than one is given; SLURM and Open MPI are only consulted when none
-    is (a launcher running inside a SLURM allocation describes its own workers with JAX's variables).
+    The explicit options and the DESCRIBED detectors must agree where more than one is given; the SCHEDULERS are
+    only consulted when none is.
     """
     env = os.environ if env is None else env
     found: list[World] = []
     if any(v is not None for v in (coordinator, num_processes, process_id)):
         found.append(_checked("explicit options", coordinator, num_processes, process_id, local_device_ids))
-    if any(env.get(k) for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")):
-        ids = env.get("JDP_LOCAL_DEVICE_IDS")
-        local = tuple(_int("JDP_LOCAL_DEVICE_IDS", "id", i) for i in ids.split(",")) if ids else None
-        found.append(
-            _checked(
-                "JAX_* variables",
-                env.get("JAX_COORDINATOR_ADDRESS"),
-                env.get("JAX_NUM_PROCESSES"),
-                env.get("JAX_PROCESS_ID"),
-                local,
-            )
-        )
-    if any(env.get(k) for k in ("WORLD_SIZE", "RANK")):
-        addr, port = env.get("MASTER_ADDR"), _torchrun_port(env)
-        n = env.get("WORLD_SIZE")
-        coord = f"{addr}:{port}" if addr and port else ("localhost:0" if n == "1" else None)
-        # torchrun starts one process per GPU: LOCAL_RANK picks this process's GPU.
-        per_node = _int("torchrun", "LOCAL_WORLD_SIZE", env.get("LOCAL_WORLD_SIZE", "1"))
-        local = (_int("torchrun", "LOCAL_RANK", env["LOCAL_RANK"]),) if per_node > 1 and env.get("LOCAL_RANK") else None
-        found.append(
-            _checked(
-                "torchrun variables (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK)", coord, n, env.get("RANK"), local
-            )
-        )
+    found += [w for detect in DESCRIBED if (w := detect(env)) is not None]
     if found:
         first = found[0]
         for other in found[1:]:
@@ -192,13 +217,9 @@ def resolve_world(
                     f"of {other.num_processes} at {other.coordinator}; remove one of them"
                 )
         return first
-    if all(k in env for k in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")):
-        n = _int("SLURM", "SLURM_NTASKS", env["SLURM_NTASKS"])
-        return _checked("SLURM variables", _slurm_coordinator(env), n, env["SLURM_PROCID"], _slurm_gpus(env))
-    if "OMPI_COMM_WORLD_SIZE" in env:
-        n, pid = env["OMPI_COMM_WORLD_SIZE"], env.get("OMPI_COMM_WORLD_RANK")
-        world = _checked("Open MPI variables", "auto:0", n, pid)
-        return dataclasses.replace(world, coordinator=None, auto_detect=world.num_processes > 1)
+    for detect in SCHEDULERS:
+        if (world := detect(env)) is not None:
+            return world
     return World(None, 1, 0, "no job description found")
 
 
