@@ -1,4 +1,5 @@
-"""What every family's model shares: the next-token loss, the parameter count, the padded vocabulary's mask."""
+"""What every family's model shares: the token embedding, the next-token loss, the parameter count, the padded
+vocabulary's mask."""
 
 from __future__ import annotations
 
@@ -9,7 +10,19 @@ from flax import nnx
 
 from jdp.models.config import ModelConfig
 
-__all__ = ["count_params", "lm_loss", "mask_padded_vocab"]
+__all__ = ["count_params", "lm_loss", "mask_padded_vocab", "token_embedding"]
+
+
+def token_embedding(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Embed:
+    """The token embedding every family starts with (normal(0.02), as GPT-2's and Llama's initializers)."""
+    return nnx.Embed(
+        cfg.vocab_size,
+        cfg.d_model,
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        embedding_init=nnx.initializers.normal(0.02),
+        rngs=rngs,
+    )
 
 
 def mask_padded_vocab(logits_NxV: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jdp.attention import attention
-from jdp.models.common import mask_padded_vocab
+from jdp.models.common import mask_padded_vocab, token_embedding
 from jdp.models.config import ModelConfig
 
 __all__ = ["GPT", "MLP", "Block", "CausalSelfAttention"]
@@ -129,14 +129,7 @@ class GPT(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embed = nnx.Embed(
-            cfg.vocab_size,
-            cfg.d_model,
-            dtype=cfg.dtype,
-            param_dtype=cfg.param_dtype,
-            embedding_init=nnx.initializers.normal(0.02),
-            rngs=rngs,
-        )
+        self.embed = token_embedding(cfg, rngs)
         self.pos_embed = nnx.Param(
             nnx.initializers.normal(0.01)(rngs.params(), (cfg.max_seq_len, cfg.d_model), cfg.param_dtype)
         )

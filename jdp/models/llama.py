@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from jdp.attention import attention
-from jdp.models.common import mask_padded_vocab
+from jdp.models.common import mask_padded_vocab, token_embedding
 from jdp.models.config import ModelConfig
 
 __all__ = ["MLP", "Attention", "Block", "Llama", "RMSNorm", "rope", "rope_frequencies", "rope_tables"]
@@ -230,14 +230,7 @@ class Llama(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embed = nnx.Embed(
-            cfg.vocab_size,
-            cfg.d_model,
-            dtype=cfg.dtype,
-            param_dtype=cfg.param_dtype,
-            embedding_init=nnx.initializers.normal(0.02),
-            rngs=rngs,
-        )
+        self.embed = token_embedding(cfg, rngs)
         self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
         self.norm = RMSNorm(cfg)
         if not cfg.tie_embeddings:
