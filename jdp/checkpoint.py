@@ -21,7 +21,6 @@ from jax.experimental import multihost_utils
 from jdp.config import Config, ConfigError
 from jdp.log import logger
 from jdp.rundir import RunDir
-from jdp.step import OptLayout
 
 __all__ = [
     "RESUMABLE_CHANGES",
@@ -357,7 +356,7 @@ class Checkpoints:
         like = abstract(like)
         saved = self.manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
         restore_args = ocp.checkpoint_utils.construct_restore_args(like)
-        if OptLayout.of_record(dict(saved)).rows:  # fsdp's padded rows: cut to the parameters' own shapes
+        if _pads_rows(dict(saved)):  # fsdp's padded rows: cut to the parameters' own shapes
             check_param_shapes(dict(saved), like["params"])
             restore_args = jax.tree.map(
                 lambda a: dataclasses.replace(a, strict=False) if hasattr(a, "strict") else a, restore_args
@@ -396,7 +395,7 @@ class Checkpoints:
         # A layout that pads the parameters (fsdp) restores from and into any other: the checkpoint's padding rows
         # are cut, or zero rows added, each device reading its own rows. The checksums do not change with that
         # padding (zeros at the end), and the parameters' own shapes were checked against the record (check).
-        padded = OptLayout.of_record(record).rows or getattr(like, "shapes", None) is not None
+        padded = _pads_rows(record) or getattr(like, "shapes", None) is not None
         items = {"state": ocp.args.StandardRestore(abstract(_core(like)), strict=not padded)}
         read_comm = getattr(like, "comm", None) is not None and "comm_checksums" in record
         if read_comm:
@@ -446,6 +445,12 @@ def check_param_shapes(record: dict, param_shapes) -> None:
             f"leaves saved, {len(today)} here; first difference at leaf {differ[0] if differ else len(today)}): "
             f"it was written by another model. Point train.run_dir elsewhere, or build the model it was trained with"
         )
+
+
+def _pads_rows(record: dict) -> bool:
+    """Whether the checkpoint's parameters are padded along their first axis (its record's optimizer_layout: fsdp's
+    and hsdp's rows), so that restoring cuts or adds rows."""
+    return bool(record.get("optimizer_layout", {}).get("rows", False))
 
 
 def make_record(

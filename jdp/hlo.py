@@ -117,7 +117,7 @@ def all_reduce_report(cfg: Config) -> tuple[str, dict]:
     micro = {k: jax.ShapeDtypeStruct((derived.micro_batch, *v.shape[1:]), v.dtype) for k, v in spec.items()}
     p = cfg.parallel
     layout = s.steps().layout(mesh)  # a split layout pads every gradient and parameter to a multiple of its shards
-    pad = layout.shards or 1
+    pad = layout.shards or 1  # the multiple each padded leaf has (1: whole copies)
     buckets, padded, gathered = _planned_collectives(s, graphdef, state, micro, p, pad)
     shapes = jax.tree.leaves(state.param_shapes())
     grad_kind = s.gradients
@@ -127,7 +127,7 @@ def all_reduce_report(cfg: Config) -> tuple[str, dict]:
     found = collectives(lowered.compile().as_text())
     grads = _match(found, grad_kind, buckets, padded)
     gathers = _match(found, "all-gather", *gathered) if s.gathers_parameters else {}
-    param_bytes, padded_bytes, padding = _param_bytes(state, layout)
+    param_bytes, padded_bytes, padding = layout.param_bytes(state)  # as the strategy's layout pads them
     lines = [
         f"collectives of the compiled train step: parallel.strategy={strategy}, {n} x {jax.devices()[0].device_kind}, "
         f"parallel.bucket_mb={p.bucket_mb:g}, parallel.reduce_dtype={p.reduce_dtype}, "
@@ -175,19 +175,6 @@ def all_reduce_report(cfg: Config) -> tuple[str, dict]:
         "in_loop": sum(a.in_loop for a in found),
     }
     return "\n".join(lines), numbers
-
-
-def _param_bytes(state, layout) -> tuple[int, int, str]:
-    """The parameters' bytes, as the strategy's layout pads them, and a few words on that padding."""
-    shapes = jax.tree.leaves(state.param_shapes())
-    own = sum(math.prod(x.shape) * x.dtype.itemsize for x in shapes)
-    if layout.rows:  # fsdp, hsdp: each first axis padded to a multiple of the rows' devices
-        padded = sum(x.nbytes for x in jax.tree.leaves(state.params))
-        return own, padded, f"; {padded:,} with each first axis padded to a multiple of {layout.shards} rows"
-    if layout.shards:  # zero1: each parameter flat, padded to a multiple of the devices
-        padded = sum(x.dtype.itemsize * (x.size + -x.size % layout.shards) for x in shapes)
-        return own, padded, f"; {padded:,} padded to multiples of {layout.shards}"
-    return own, own, ""
 
 
 def _planned_collectives(s: strategies.Strategy, graphdef, state, micro, p, pad: int):

@@ -56,6 +56,7 @@ __all__ = [
     "make_replica_digest",
     "make_train_step",
     "nonfinite_leaves",
+    "layout_of_record",
     "opt_layout",
     "param_names",
     "process_rows",
@@ -81,6 +82,15 @@ def opt_layout(strategy: str, mesh: jax.sharding.Mesh) -> OptLayout:
     return strategies.get(strategy).steps().layout(mesh)
 
 
+def layout_of_record(record: dict) -> OptLayout:
+    """The layout a checkpoint was written in, from its JSON record: the strategies' layout that reads it (each
+    strategy module's LAYOUT)."""
+    saved = record.get("optimizer_layout", {})
+    kinds = {strategies.get(name).steps().LAYOUT for name in strategies.names()}
+    (kind,) = [k for k in kinds if k.reads(saved)]
+    return kind(int(saved.get("shards", 0)))
+
+
 def init_state(
     model: nnx.Module,
     optimizer: optax.GradientTransformation,
@@ -95,7 +105,7 @@ def init_state(
     steps = strategies.get(strategy).steps()
     layout = steps.layout(mesh)
     layout.check(optimizer, params)
-    own = tuple(tuple(x.shape) for x in jax.tree.leaves(params)) if layout.rows else None
+    own = tuple(tuple(x.shape) for x in jax.tree.leaves(params)) if layout.splits_parameters else None
     params, rest = layout.place(params, mesh), replicate(rest, mesh)
     return graphdef, _with_optimizer(params, rest, optimizer, mesh, strategy, comm_hook, own)
 
@@ -112,7 +122,7 @@ def init_state_from(
     never whole on any device (an 8B model would not fit one); under the others, init_state(make_model(), ...)."""
     steps = strategies.get(strategy).steps()
     layout = steps.layout(mesh)
-    if not layout.rows:
+    if not layout.splits_parameters:
         return init_state(make_model(), optimizer, mesh, strategy, comm_hook)
     graphdef, params, rest = nnx.split(nnx.eval_shape(make_model), nnx.Param, ...)
     layout.check(optimizer, params)
@@ -209,7 +219,7 @@ def restore_target(state: TrainState, optimizer, mesh: jax.sharding.Mesh, strate
     padding is cut or zeros added, each device reading its own rows), else the saved shapes with the optimizer
     state replicated, for relayout to place."""
     today = opt_layout(strategy, mesh)
-    if saved == today or not (saved.flat or today.flat):
+    if saved.reads_into(today):
         return state
     opt = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated(mesh)),

@@ -5,9 +5,10 @@ guard, and the eval step and replica checks. The strategies (strategies/) assemb
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ from jdp.buckets import Bucket, bucket_plan
 from jdp.errors import ConfigError
 from jdp.guards import RefusingDonated, check_batch, checked_loss, checking_rows
 from jdp.hooks import CommHook, GradBucket, Mean, varying
-from jdp.mesh import AXIS, Batch, batch_axes, replicate, replicated, shard_axis, shard_count, split_spec
+from jdp.mesh import AXIS, Batch, batch_axes, replicate, replicated, shard_axis
 from jdp.nn import RowIds, RowKey
 
 __all__ = [
@@ -124,117 +125,77 @@ def comm_record(hook: CommHook | None, state: TrainState) -> dict | None:
 
 @dataclass(frozen=True)
 class OptLayout:
-    """How the optimizer state (and under fsdp the parameters) lie. shards=0: shaped as the parameters (ddp, dp).
+    """How the optimizer state (and under fsdp the parameters) lie. This base is whole copies, shaped as the
+    parameters (ddp, dp); a strategy that splits the state brings its own subclass, which views, shapes, places and
+    checks it its way (zero1's Slices, fsdp's and hsdp's Rows, each in its strategy's module), so nothing outside
+    the strategies asks which layout it holds. `shards`: the devices the state is split over (0: none).
 
-    shards=N, rows=False (zero1): the optimizer sees each parameter flattened into its last axis, zero-padded to a
-    multiple of N, with its rank kept (a (768, 3072) kernel is seen as (1, 2359296), so masks written as
-    `ndim >= 2` still pick the matrices), and device d holds elements [d*s, (d+1)*s) of that axis in every such leaf
-    of the state (s = padded size / N). Scalars (Adam's count) are replicated.
-
-    shards=N, rows=True (fsdp): parameters and optimizer state keep their shapes but the first axis, zero-padded
-    to a multiple of N rows; device d holds rows [d*r, (d+1)*r) (r = padded rows / N). Row-major, the padding is
-    the last elements, as zero1's is, so a checkpoint's checksums do not change with the padding and the layouts
-    convert by cutting or adding zeros at the end.
-
-    The padding is zeros in the gradients and the parameters, so an elementwise optimizer leaves it zero, and it is
-    cut off before a value reaches a parameter. Optimizers whose state is not elementwise (factored ones such as
-    Adafactor) would see other shapes; the split layouts refuse them (check). Masks must not depend on sizes.
+    Where a split layout pads (zero1's flat leaves, fsdp's first axes), the padding is zeros in the gradients and
+    the parameters, so an elementwise optimizer leaves it zero, and it is cut off before a value reaches a
+    parameter; row-major, it is the last elements, so a checkpoint's checksums do not change with it and the layouts
+    convert by cutting or adding zeros at the end (parallel.relayout). Optimizers whose state is not elementwise
+    (factored ones such as Adafactor) would see other shapes; the split layouts refuse them (check).
     """
 
     shards: int = 0
-    rows: bool = False
+    splits_parameters: ClassVar[bool] = False  # the parameters are split too (made inside jit: init_state_from)
+    flat: ClassVar[bool] = False  # the optimizer state is not shaped as the parameters (relayout moves it)
 
-    @staticmethod
-    def of_record(record: dict) -> OptLayout:
-        """The layout a checkpoint was written in (its JSON record; older records: as the parameters)."""
-        saved = record.get("optimizer_layout", {})
-        return OptLayout(int(saved.get("shards", 0)), bool(saved.get("rows", False)))
+    @classmethod
+    def reads(cls, saved: dict) -> bool:
+        """Whether a checkpoint record's `optimizer_layout` is of this kind (older records have none: whole)."""
+        return not int(saved.get("shards", 0))
 
     def to_record(self) -> dict:
-        return {"shards": self.shards, "rows": self.rows, "what": self.describe()}
+        return {"shards": self.shards, "rows": self.splits_parameters, "what": self.describe()}
 
     def describe(self) -> str:
-        if self.rows:
-            return f"fsdp's rows over {self.shards} devices"
-        return f"zero1's slices over {self.shards} devices" if self.shards else "whole copies (ddp, dp)"
+        return "whole copies (ddp, dp)"
 
-    @property
-    def flat(self) -> bool:
-        """Whether the optimizer state is zero1's flat view (not shaped as the parameters)."""
-        return bool(self.shards) and not self.rows
+    def reads_into(self, other: OptLayout) -> bool:
+        """Whether a checkpoint in this layout restores straight into `other`: the same layout, or both shaped as
+        the parameters (a padding of rows is cut or added as each device reads its own)."""
+        return self == other or not (self.flat or other.flat)
 
     def view(self, params):
-        """The parameters as the optimizer sees them: unchanged, flat and padded to a multiple of shards (zero1),
-        or padded along their first axis (fsdp; parameters already padded are unchanged)."""
-        if not self.shards:
-            return params
-        if self.rows:
-            return jax.tree.map(lambda x: jnp.pad(x, [(0, self.shape(x)[0] - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
-                                if x.ndim else x, params)  # fmt: skip
-        return jax.tree.map(lambda x: jnp.pad(x.ravel(), (0, -x.size % self.shards)).reshape(self.shape(x)), params)
+        """The parameters as the optimizer sees them."""
+        return params
 
     def shape(self, x) -> tuple[int, ...]:
         """A leaf's shape as the optimizer sees it in this layout."""
-        if not self.shards:
-            return tuple(x.shape)
-        if self.rows:
-            return (x.shape[0] + -x.shape[0] % self.shards, *x.shape[1:]) if x.ndim else tuple(x.shape)
-        padded = x.size + -x.size % self.shards
-        return (1,) * (x.ndim - 1) + (padded,)
+        return tuple(x.shape)
 
     def shapes(self, optimizer: optax.GradientTransformation, params):
         """The optimizer state's shapes in this layout (nothing is computed)."""
         return jax.eval_shape(lambda p: optimizer.init(self.view(p)), _shapes(params))
 
     def shardings(self, shapes, mesh: jax.sharding.Mesh):
-        """Where each leaf of a state of these shapes lives on `mesh`: split along `data` (the flat leaves of
-        zero1's layout, the first axis under fsdp), else replicated."""
-        n = mesh.devices.size
-        if self.rows:  # over `data`, or hsdp's `shard` (each group holding the whole state)
-            k, axis = shard_count(mesh), shard_axis(mesh)
-            return jax.tree.map(
-                lambda x: NamedSharding(mesh, P(axis)) if x.ndim >= 1 and x.shape[0] % k == 0 else replicated(mesh),
-                shapes,
-            )
-        return jax.tree.map(
-            lambda x: (
-                NamedSharding(mesh, split_spec(x.ndim))
-                if self.shards and x.ndim >= 1 and x.shape[-1] % n == 0
-                else replicated(mesh)
-            ),
-            shapes,
-        )
+        """Where each leaf of a state of these shapes lives on `mesh`: whole on every device."""
+        return jax.tree.map(lambda x: replicated(mesh), shapes)
 
     def place(self, params, mesh: jax.sharding.Mesh):
-        """The parameters placed on `mesh` for this layout: replicated, or (fsdp) padded and split, each device
-        receiving its rows only."""
-        if not self.rows:
-            return replicate(params, mesh)
-        shardings = self.shardings(jax.eval_shape(self.view, _shapes(params)), mesh)
-        if all(isinstance(x, np.ndarray) for x in jax.tree.leaves(params)):
-            # Host values (an import read from files): each device receives its rows straight from the host array,
-            # so no device ever holds a tensor whole (jit would first put each one whole on the default device).
-            return jax.tree.map(lambda x, s: _rows_from_host(x, self.shape(x), s), params, shardings)
-        return jax.jit(self.view, out_shardings=shardings)(params)
+        """The parameters placed on `mesh` for this layout: replicated."""
+        return replicate(params, mesh)
 
     def check(self, optimizer: optax.GradientTransformation, params) -> None:
-        """Refuse an optimizer whose state is not elementwise: its state would change meaning when flattened or
-        padded; and (fsdp) a scalar parameter, which has no rows to split."""
-        if not self.shards:
-            return
-        name = "fsdp" if self.rows else "zero1"
-        if self.rows and (scalars := [n for n, x in zip(param_names(params), jax.tree.leaves(params), strict=True)
-                                      if x.ndim == 0]):  # fmt: skip
-            raise ValueError(
-                f"strategy='fsdp' splits every parameter along its first axis, but {', '.join(scalars[:3])} "
-                f"{'is a scalar' if len(scalars) == 1 else 'are scalars'}: give it shape (1,), or use strategy='zero1'"
-            )
-        canonical, flat = OptLayout().shapes(optimizer, params), self.shapes(optimizer, params)
+        """Refuse what this layout cannot hold (whole copies hold any optimizer's state)."""
+
+    def param_bytes(self, state) -> tuple[int, int, str]:
+        """(the parameters' bytes, as this layout pads them, a few words on that padding)."""
+        own = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state.param_shapes()))
+        return own, own, ""
+
+    def check_elementwise(self, optimizer: optax.GradientTransformation, params, name: str) -> None:
+        """A split layout's refusal of an optimizer whose state is not elementwise: its state would change meaning
+        when flattened or padded."""
+        canonical, split = OptLayout().shapes(optimizer, params), self.shapes(optimizer, params)
         odd = []
-        if jax.tree.structure(canonical) != jax.tree.structure(flat):
+        if jax.tree.structure(canonical) != jax.tree.structure(split):
             odd.append("its state has another structure")
         else:
-            for (path, c), f in zip(jax.tree_util.tree_leaves_with_path(canonical), jax.tree.leaves(flat), strict=True):
+            for (path, c), f in zip(
+                jax.tree_util.tree_leaves_with_path(canonical), jax.tree.leaves(split), strict=True
+            ):
                 if c.shape != f.shape and f.shape != self.shape(c):
                     odd.append(f"{jax.tree_util.keystr(path)}: {c.shape} as parameters, {f.shape} in {name}'s layout")
         if odd:
@@ -242,25 +203,6 @@ class OptLayout:
                 f"strategy='{name}' splits the optimizer state elementwise (as AdamW, SGD, Lion keep it), but this "
                 f"optimizer's state depends on the parameters' shapes: {'; '.join(odd[:3])}. Use strategy='ddp'"
             )
-
-
-def _rows_from_host(x: np.ndarray, padded: tuple, sharding) -> jax.Array:
-    """A host array placed as `sharding` lays out its zero-padded shape `padded`: each of this process's devices
-    gets the rows it holds (the padding made as zeros, only for the device whose rows it falls in)."""
-
-    def rows(index):
-        if not x.ndim:
-            return x
-        start, stop, _ = index[0].indices(padded[0])
-        part = x[(slice(start, min(stop, x.shape[0])), *index[1:])]
-        if stop > x.shape[0]:
-            part = np.concatenate([part, np.zeros((stop - max(start, x.shape[0]), *part.shape[1:]), x.dtype)])
-        return part
-
-    where = sharding.addressable_devices_indices_map(padded)
-    return jax.make_array_from_single_device_arrays(
-        padded, sharding, [jax.device_put(rows(index), device) for device, index in where.items()]
-    )
 
 
 def _shapes(tree):

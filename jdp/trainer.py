@@ -200,7 +200,7 @@ class Trainer:
         cache = use_compilation_cache(cache_root(cfg.data) / "xla") if t.compile_cache else None
         with phases("loading data"):
             data, eval_data = self.load_data(parallel.process_rows(t.batch_size, mesh))
-        factory = self.model_factory() if parallel.opt_layout(cfg.parallel.strategy, mesh).rows else None
+        factory = self.model_factory() if parallel.opt_layout(cfg.parallel.strategy, mesh).splits_parameters else None
         with phases(self.model_phase):
             model = nnx.eval_shape(factory) if factory is not None else self.make_model()
         with phases("building the model and compiling"):
@@ -290,13 +290,13 @@ class Steps:
         """What to restore a checkpoint into: its optimizer state may be laid out for another strategy or device
         count; the hook's saved state is read only into the same hook on as many devices (else it starts afresh)."""
         like = parallel.restore_target(self.state, self.optimizer, self.mesh, self.strategy,
-                                       self.layout.of_record(record))  # fmt: skip
+                                       parallel.layout_of_record(record))  # fmt: skip
         return like if record.get("comm") == self.comm else dataclasses.replace(like, comm=None)
 
     def after_restore(self, state, record: dict):
         """A restored state laid out for today's strategy, saying what moved."""
-        if (saved := self.layout.of_record(record)) != self.layout:
-            if saved.flat or self.layout.flat:  # else it was read straight into today's layout
+        if (saved := parallel.layout_of_record(record)) != self.layout:
+            if not saved.reads_into(self.layout):  # else it was read straight into today's layout
                 state = parallel.relayout(state, self.optimizer, self.mesh, self.strategy)
             log.info(f"optimizer state moved from {saved.describe()} to {self.layout.describe()}")
         if record.get("comm") != self.comm and (record.get("comm") or self.comm):

@@ -163,6 +163,23 @@ def test_jax_private_api_is_used_in_one_module():
     assert users == ["jax_private"], users
 
 
+def test_a_layout_is_asked_never_told_apart_outside_the_strategies():
+    """A strategy's optimizer layout (step.OptLayout, zero1's Slices, fsdp's Rows) views, places, checks and counts
+    itself; outside the strategies and step.py nothing asks which kind it holds (only what it can do:
+    splits_parameters, reads_into) and checkpoint.py reads its own record."""
+    told_apart = re.compile(r"\.rows\b(?!\()|\.of_record\(|\brows=(True|False)|\b(Slices|Rows)\(|\bOptLayout\(\w")
+    offenders = [
+        f"{name}:{i}: {line.strip()}"
+        for name, path in MODULES.items()
+        if not name.startswith("strategies") and name != "step"
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if told_apart.search(line) and "layout" in line.lower()
+    ]
+    assert offenders == [], offenders
+    for bad in ("if layout.rows:", "OptLayout(n, rows=True)", "saved = OptLayout.of_record(record)", "layout = Rows(4)"):
+        assert told_apart.search(bad), bad  # it finds them
+
+
 def test_fault_injection_lives_in_the_tests_not_in_jdp():
     """The tests inject faults through a callback of their own (tests/inject.py); jdp has no fault code."""
     offenders = [name for name, path in MODULES.items() if "JDP_TEST_" in path.read_text()]

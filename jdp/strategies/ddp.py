@@ -16,7 +16,9 @@ from jdp.hooks import CommHook
 from jdp.mesh import AXIS, Batch
 from jdp.step import LossFn, OptLayout, TrainState, global_grads, hook_states, update
 
-__all__ = ["layout", "make_train_step", "opt_shardings", "state_bytes", "traffic"]
+__all__ = ["LAYOUT", "layout", "make_train_step", "opt_shardings", "state_bytes", "traffic"]
+
+LAYOUT = OptLayout  # whole copies
 
 
 def layout(mesh: jax.sharding.Mesh) -> OptLayout:

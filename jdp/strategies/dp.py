@@ -15,7 +15,9 @@ from jdp.hooks import CommHook
 from jdp.mesh import AXIS, Batch, master_device, replicated
 from jdp.step import LossFn, OptLayout, TrainState, local_sums, update
 
-__all__ = ["layout", "make_train_step", "opt_shardings", "state_bytes"]
+__all__ = ["LAYOUT", "layout", "make_train_step", "opt_shardings", "state_bytes"]
+
+LAYOUT = OptLayout  # whole copies
 
 
 def layout(mesh: jax.sharding.Mesh) -> OptLayout:

@@ -1,5 +1,5 @@
 """fsdp: ZeRO stage 3 (PyTorch FSDP2, MaxText's `fsdp` axis, the JAX scaling book's recipe). Every parameter, its
-gradient and its optimizer state live split over the devices, padded along the first axis (OptLayout(rows=True));
+gradient and its optimizer state live split over the devices, padded along the first axis (Rows);
 each device still trains on its own rows of the batch.
 
 Each forward gathers one unit's parameters at a time: one all-gather per block of the model's repeated blocks (an
@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -27,18 +29,100 @@ from jax.sharding import PartitionSpec as P
 from jdp.costs import Buckets, Collectives, Memory, Traffic, tree_bytes
 from jdp.guards import RefusingDonated, check_batch
 from jdp.hooks import CommHook
-from jdp.mesh import REPLICA, Batch, batch_axes, shard_axis, shard_count
+from jdp.mesh import REPLICA, Batch, batch_axes, replicated, shard_axis, shard_count
 from jdp.step import LossFn, OptLayout, TrainState, apply_update, keep_if, local_sums, param_names
 
 __all__ = [
-    "Units", "layout", "make_eval_step", "make_train_step", "opt_shardings", "report_units", "state_bytes", "traffic",
+    "LAYOUT", "Rows", "Units", "layout", "make_eval_step", "make_train_step", "opt_shardings", "report_units",
+    "state_bytes", "traffic",
 ]  # fmt: skip
 
 
-def layout(mesh: jax.sharding.Mesh) -> OptLayout:
+@dataclass(frozen=True)
+class Rows(OptLayout):
+    """fsdp's and hsdp's layout: parameters and optimizer state keep their shapes but the first axis, zero-padded to
+    a multiple of `shards` rows; device d holds rows [d*r, (d+1)*r) (r = padded rows / shards); hsdp's groups each
+    hold the whole state so. Row-major, the padding is the last elements, as zero1's is."""
+
+    splits_parameters: ClassVar[bool] = True
+
+    @classmethod
+    def reads(cls, saved: dict) -> bool:
+        return bool(int(saved.get("shards", 0))) and bool(saved.get("rows", False))
+
+    def describe(self) -> str:
+        return f"fsdp's rows over {self.shards} devices"
+
+    def view(self, params):
+        """Padded along their first axis (parameters already padded are unchanged)."""
+        return jax.tree.map(lambda x: jnp.pad(x, [(0, self.shape(x)[0] - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+                            if x.ndim else x, params)  # fmt: skip
+
+    def shape(self, x) -> tuple[int, ...]:
+        return (x.shape[0] + -x.shape[0] % self.shards, *x.shape[1:]) if x.ndim else tuple(x.shape)
+
+    def shardings(self, shapes, mesh: jax.sharding.Mesh):
+        """Split in rows over `data`, or hsdp's `shard` (each group holding the whole state)."""
+        k, axis = shard_count(mesh), shard_axis(mesh)
+        return jax.tree.map(
+            lambda x: NamedSharding(mesh, P(axis)) if x.ndim >= 1 and x.shape[0] % k == 0 else replicated(mesh),
+            shapes,
+        )
+
+    def place(self, params, mesh: jax.sharding.Mesh):
+        """Padded and split, each device receiving its rows only."""
+        shardings = self.shardings(jax.eval_shape(self.view, _shapes(params)), mesh)
+        if all(isinstance(x, np.ndarray) for x in jax.tree.leaves(params)):
+            # Host values (an import read from files): each device receives its rows straight from the host array,
+            # so no device ever holds a tensor whole (jit would first put each one whole on the default device).
+            return jax.tree.map(lambda x, s: _rows_from_host(x, self.shape(x), s), params, shardings)
+        return jax.jit(self.view, out_shardings=shardings)(params)
+
+    def check(self, optimizer: optax.GradientTransformation, params) -> None:
+        """Refuse a scalar parameter, which has no rows to split, and an optimizer whose state is not elementwise."""
+        if scalars := [n for n, x in zip(param_names(params), jax.tree.leaves(params), strict=True) if x.ndim == 0]:
+            raise ValueError(
+                f"strategy='fsdp' splits every parameter along its first axis, but {', '.join(scalars[:3])} "
+                f"{'is a scalar' if len(scalars) == 1 else 'are scalars'}: give it shape (1,), or use strategy='zero1'"
+            )
+        self.check_elementwise(optimizer, params, "fsdp")
+
+    def param_bytes(self, state) -> tuple[int, int, str]:
+        own, _, _ = super().param_bytes(state)
+        padded = sum(x.nbytes for x in jax.tree.leaves(state.params))
+        return own, padded, f"; {padded:,} with each first axis padded to a multiple of {self.shards} rows"
+
+
+LAYOUT = Rows
+
+
+def _rows_from_host(x: np.ndarray, padded: tuple, sharding) -> jax.Array:
+    """A host array placed as `sharding` lays out its zero-padded shape `padded`: each of this process's devices
+    gets the rows it holds (the padding made as zeros, only for the device whose rows it falls in)."""
+
+    def rows(index):
+        if not x.ndim:
+            return x
+        start, stop, _ = index[0].indices(padded[0])
+        part = x[(slice(start, min(stop, x.shape[0])), *index[1:])]
+        if stop > x.shape[0]:
+            part = np.concatenate([part, np.zeros((stop - max(start, x.shape[0]), *part.shape[1:]), x.dtype)])
+        return part
+
+    where = sharding.addressable_devices_indices_map(padded)
+    return jax.make_array_from_single_device_arrays(
+        padded, sharding, [jax.device_put(rows(index), device) for device, index in where.items()]
+    )
+
+
+def _shapes(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def layout(mesh: jax.sharding.Mesh) -> Rows:
     """Parameters and optimizer state padded along their first axis to a multiple of the devices they are split
     over (all of them; hsdp: a group's), split in rows."""
-    return OptLayout(shard_count(mesh), rows=True)
+    return Rows(shard_count(mesh))
 
 
 def opt_shardings(shapes, mesh: jax.sharding.Mesh):
@@ -53,7 +137,7 @@ def state_bytes(
     gradients gathered whole (one block at a time; two with prefetch, which XLA's scheduler may do); without
     resharding every block's gathered parameters stay until backward; accumulating unsharded (grad_accum > 1), the
     running sum is every gradient whole."""
-    lay = OptLayout(n, rows=True)
+    lay = Rows(n)
     padded = jax.tree.map(lambda x: jax.ShapeDtypeStruct(lay.shape(x), x.dtype), params)
     p = tree_bytes(padded) // n
     opt = tree_bytes(lay.shapes(optimizer, params)) // n
@@ -349,7 +433,7 @@ def _specs(params, mesh: jax.sharding.Mesh):
 def _check_state(state: TrainState, mesh: jax.sharding.Mesh, name: str) -> None:
     n = shard_count(mesh)
     if state.shapes is None or any(
-        x.ndim and x.shape[0] != OptLayout(n, rows=True).shape(jax.ShapeDtypeStruct(s, x.dtype))[0]
+        x.ndim and x.shape[0] != Rows(n).shape(jax.ShapeDtypeStruct(s, x.dtype))[0]
         for x, s in zip(jax.tree.leaves(state.params), state.shapes, strict=True)
     ):
         raise ValueError(

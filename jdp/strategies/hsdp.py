@@ -17,9 +17,18 @@ from jdp.mesh import REPLICA, SHARD
 from jdp.step import LossFn
 from jdp.strategies import fsdp
 
-__all__ = ["layout", "make_eval_step", "make_train_step", "opt_shardings", "report_units", "state_bytes", "traffic"]
+__all__ = [
+    "LAYOUT",
+    "layout",
+    "make_eval_step",
+    "make_train_step",
+    "opt_shardings",
+    "report_units",
+    "state_bytes",
+    "traffic",
+]
 
-layout = fsdp.layout
+LAYOUT, layout = fsdp.LAYOUT, fsdp.layout
 opt_shardings = fsdp.opt_shardings
 make_eval_step = fsdp.make_eval_step
 report_units = fsdp.report_units

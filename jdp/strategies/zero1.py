@@ -5,6 +5,9 @@ optimizer state per device."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -15,15 +18,56 @@ from jdp.buckets import Bucket, bucket_plan
 from jdp.costs import Buckets, Collectives, Memory, Traffic, tree_bytes
 from jdp.guards import RefusingDonated, check_batch
 from jdp.hooks import CommHook
-from jdp.mesh import AXIS, Batch, split_spec
+from jdp.mesh import AXIS, Batch, replicated, split_spec
 from jdp.step import LossFn, OptLayout, TrainState, apply_update, keep_if, local_sums, micro_spec
 
-__all__ = ["layout", "make_train_step", "opt_shardings", "state_bytes", "traffic"]
+__all__ = ["LAYOUT", "Slices", "layout", "make_train_step", "opt_shardings", "state_bytes", "traffic"]
 
 
-def layout(mesh: jax.sharding.Mesh) -> OptLayout:
+@dataclass(frozen=True)
+class Slices(OptLayout):
+    """zero1's layout: the optimizer sees each parameter flattened into its last axis, zero-padded to a multiple of
+    `shards`, with its rank kept (a (768, 3072) kernel is seen as (1, 2359296), so masks written as `ndim >= 2`
+    still pick the matrices), and device d holds elements [d*s, (d+1)*s) of that axis in every such leaf of the
+    state (s = padded size / shards). Scalars (Adam's count) are replicated. The parameters stay whole."""
+
+    flat: ClassVar[bool] = True
+
+    @classmethod
+    def reads(cls, saved: dict) -> bool:
+        return bool(int(saved.get("shards", 0))) and not saved.get("rows", False)
+
+    def describe(self) -> str:
+        return f"zero1's slices over {self.shards} devices"
+
+    def view(self, params):
+        return jax.tree.map(lambda x: jnp.pad(x.ravel(), (0, -x.size % self.shards)).reshape(self.shape(x)), params)
+
+    def shape(self, x) -> tuple[int, ...]:
+        padded = x.size + -x.size % self.shards
+        return (1,) * (x.ndim - 1) + (padded,)
+
+    def shardings(self, shapes, mesh: jax.sharding.Mesh):
+        n = mesh.devices.size
+        return jax.tree.map(
+            lambda x: NamedSharding(mesh, split_spec(x.ndim)) if x.ndim >= 1 and x.shape[-1] % n == 0
+            else replicated(mesh), shapes)  # fmt: skip
+
+    def check(self, optimizer: optax.GradientTransformation, params) -> None:
+        self.check_elementwise(optimizer, params, "zero1")
+
+    def param_bytes(self, state) -> tuple[int, int, str]:
+        own, _, _ = super().param_bytes(state)
+        padded = sum(x.dtype.itemsize * (x.size + -x.size % self.shards) for x in jax.tree.leaves(state.param_shapes()))
+        return own, padded, f"; {padded:,} padded to multiples of {self.shards}"
+
+
+LAYOUT = Slices
+
+
+def layout(mesh: jax.sharding.Mesh) -> Slices:
     """Every parameter flat and padded to a multiple of the devices, each device holding its slice."""
-    return OptLayout(mesh.devices.size)
+    return Slices(mesh.devices.size)
 
 
 def opt_shardings(shapes, mesh: jax.sharding.Mesh):
@@ -34,7 +78,7 @@ def state_bytes(params, opt_state, optimizer: optax.GradientTransformation, n: i
     """ddp's, but of the optimizer state each device holds its slice of every leaf (padded to a multiple of n,
     exactly what layout places) and the scalars whole."""
     p = tree_bytes(params)
-    shapes = OptLayout(n).shapes(optimizer, params)
+    shapes = Slices(n).shapes(optimizer, params)
     split = [x for x in jax.tree.leaves(shapes) if x.ndim >= 1 and x.shape[-1] % n == 0]
     opt = tree_bytes(shapes) - tree_bytes(split) + tree_bytes(split) // n
     return Memory(p, p, p if grad_accum > 1 else 0, opt, opt_note=f"this device's 1/{n}")
@@ -70,7 +114,7 @@ def _scatter_buckets(grads, buckets: list[Bucket], reduce_dtype: str, n: int):
             out[k] = (
                 mine[offset : offset + width]
                 .astype(leaves[k].dtype)
-                .reshape(OptLayout(n).shape(leaves[k])[:-1] + (width,))
+                .reshape(Slices(n).shape(leaves[k])[:-1] + (width,))
             )
             offset += width
     return jax.tree.unflatten(tree, out)
@@ -116,7 +160,7 @@ def make_train_step(
     if comm_hook is not None:
         raise ValueError("a communication hook reduces ddp's buckets; strategy='zero1' has none to hook")
     n = mesh.devices.size
-    layout = OptLayout(n)
+    layout = Slices(n)
     sums = local_sums(graphdef, loss_fn, grad_accum)
 
     def step(state: TrainState, batch: Batch):
