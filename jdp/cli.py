@@ -59,19 +59,22 @@ def _device_ids(text: str) -> tuple[int, ...]:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from jdp import world as jobs
     from jdp.config import explicit_keys, load_config
+    from jdp.join import JoinError
+    from jdp.process import watch_launcher
+    from jdp.world import WorldError, resolve_world
+    from jdp.xla import keep_scratch_memory
 
-    jobs.watch_launcher()  # a worker of `jdp launch` never outlives it
+    watch_launcher()  # a worker of `jdp launch` never outlives it
     config, overrides = split_config_args(args.args)
     cfg = load_config(config, overrides)
     from jdp import strategies
 
     strategies.get(cfg.parallel.strategy).set_xla_flags(cfg.parallel.bucket_mb)  # before JAX touches a device
-    jobs.keep_scratch_memory()
+    keep_scratch_memory()
     try:
-        world = jobs.resolve_world(args.coordinator, args.num_processes, args.process_id, args.local_device_ids)
-    except jobs.WorldError as e:
+        world = resolve_world(args.coordinator, args.num_processes, args.process_id, args.local_device_ids)
+    except WorldError as e:
         raise ConfigError(str(e)) from e
     from jdp.coordination import leave_job
     from jdp.lm import train
@@ -79,7 +82,7 @@ def _train(args: argparse.Namespace) -> int:
 
     try:
         train(cfg, world, explicit_keys(overrides))
-    except jobs.JoinError as e:  # never joined: there is no job to leave
+    except JoinError as e:  # never joined: there is no job to leave
         log.error(str(e))
         return 1
     except (RunError, ConfigError) as e:
@@ -279,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jdp.world import flush_every_line, tolerate_broken_pipes
+    from jdp.process import flush_every_line, tolerate_broken_pipes
 
     flush_every_line()  # each line reaches a file when printed, even if the process is then killed
     tolerate_broken_pipes()  # output to a reader that is gone is dropped; the command goes on

@@ -31,6 +31,7 @@ from jdp.coordination import PeerMonitor, announce_departure, describe_hosts, fi
 from jdp.data.corpus import cache_root
 from jdp.data.dataset import Source, source_for
 from jdp.hooks import CommHook
+from jdp.join import initialize
 from jdp.log import PLAIN, logger, set_rank
 from jdp.loop import Loop, Phases, Result, Run
 from jdp.memory import peak_device_bytes
@@ -45,16 +46,10 @@ from jdp.metrics import (
     step_ranges,
     supersede,
 )
+from jdp.process import watch_launcher
 from jdp.rundir import RunDir, RunDirEscape, RunDirInUse, RunLock
-from jdp.world import (
-    World,
-    WorldError,
-    initialize,
-    keep_scratch_memory,
-    resolve_world,
-    use_compilation_cache,
-    watch_launcher,
-)
+from jdp.world import World, WorldError, resolve_world
+from jdp.xla import keep_scratch_memory, use_compilation_cache
 
 __all__ = ["RunError", "Trainer"]
 
@@ -321,7 +316,7 @@ def apply_xla_options(cfg: Config) -> None:
     elif missing := strategy.set_xla_flags(p.bucket_mb, environ=dict(os.environ)):
         log.warning(
             f"JAX started before the trainer was made, so jdp's XLA options ({' '.join(missing)}) are "
-            f"not applied: make the Trainer (or call jdp.world.set_xla_flags()) before anything touches a device"
+            f"not applied: make the Trainer (or call jdp.xla.set_xla_flags()) before anything touches a device"
         )
 
 

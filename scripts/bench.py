@@ -58,14 +58,14 @@ def child(mode: str, devices: int, args: list[str], cpu_cores: str | None = None
 
 
 def _setup(config: str, overrides: list[str]):
-    from jdp import world as jobs
+    from jdp import xla
     from jdp.config import load_config
 
     cfg = load_config(config, ["train.run_dir=/dev/null", "train.progress=false", *overrides])
     from jdp import strategies
 
     strategies.get(cfg.parallel.strategy).set_xla_flags(cfg.parallel.bucket_mb)  # as `jdp train`, before jax starts
-    os.environ["JDP_BENCH_KEPT_SCRATCH"] = str(jobs.keep_scratch_memory())
+    os.environ["JDP_BENCH_KEPT_SCRATCH"] = str(xla.keep_scratch_memory())
     return cfg
 
 
@@ -393,12 +393,12 @@ def jdp_vs_torch(a, gpu: bool, out: Path, results: dict) -> None:
 
 def host(config: str, overrides: list[str]) -> dict:
     """The machine and the options every measurement runs with: CPU model and ISA, versions, XLA_FLAGS."""
-    from jdp import world
+    from jdp import xla
     from jdp.config import load_config
     from jdp.hardware import host_description
 
     env = dict(os.environ)
-    world.set_xla_flags(load_config(config, overrides).parallel.bucket_mb, env)  # what _setup adds in each child
+    xla.set_xla_flags(load_config(config, overrides).parallel.bucket_mb, env)  # what _setup adds in each child
     return {**host_description(), "xla_flags": env.get("XLA_FLAGS", "")}
 
 

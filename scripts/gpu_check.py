@@ -295,7 +295,7 @@ def child_profile(p: Profile, work: Path) -> dict:
     from jdp.build import build
     from jdp.config import load_config
     from jdp.memory import peak_device_bytes
-    from jdp.world import use_compilation_cache
+    from jdp.xla import use_compilation_cache
 
     t = p.trains[0]
     cfg = load_config(t.config, [*t.overrides, "train.run_dir=/dev/null", f"train.steps={t.steps}"])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from jdp import world as jobs
+from jdp import xla
 from jdp.config import load_config, split_config_args
 
 
@@ -27,7 +27,7 @@ def main() -> None:
     from jdp import strategies
 
     strategies.get(cfg.parallel.strategy).set_xla_flags(cfg.parallel.bucket_mb)
-    jobs.keep_scratch_memory()
+    xla.keep_scratch_memory()
 
     import jax
     import numpy as np

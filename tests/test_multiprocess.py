@@ -19,7 +19,8 @@ DATA_WORKER = textwrap.dedent(
     from jdp import parallel
     from jdp.data import Batches
 
-    from jdp.world import initialize, resolve_world
+    from jdp.join import initialize
+    from jdp.world import resolve_world
 
     initialize(resolve_world())
     mesh = parallel.make_mesh()
@@ -65,7 +66,8 @@ KV_WORKER = textwrap.dedent(
     import jax
     from jax.experimental import multihost_utils
     from jdp.coordination import StopAgreement, Watchdog, key_value_store
-    from jdp.world import initialize, resolve_world
+    from jdp.join import initialize
+    from jdp.world import resolve_world
 
     initialize(resolve_world())
     kv = key_value_store()

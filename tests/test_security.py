@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from jdp.config import ConfigError, load_config
+from jdp.join import bind_address
 from jdp.launch import free_port
 from jdp.rundir import RunDir, RunDirEscape
-from jdp.world import bind_address
 
 SMALL = ["model.n_layers=1", "model.d_model=32", "model.max_seq_len=32", "data.seq_len=32", "train.batch_size=8"]
 SMALL += ["train.log_every=1", "train.eval_every=0", "train.progress=false", "data.val_tokens=2048"]

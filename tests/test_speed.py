@@ -19,7 +19,7 @@ from jdp.hlo import Collective, _rows, all_reduce_report, all_reduces
 from jdp.models.common import lm_loss
 from jdp.models.gpt import GPT
 from jdp.optim import make_optimizer
-from jdp.world import set_xla_flags
+from jdp.xla import set_xla_flags
 
 
 def build(n_devices=4, grad_accum=1, **step_kw):
@@ -228,9 +228,9 @@ def test_allreduce_table_puts_the_norms_scalar_all_reduces_in_one_row_when_xla_l
 
 SCRATCH_PROGRAM = """
 import resource, statistics, sys
-from jdp import world
+from jdp import xla
 if sys.argv[1] == "keep":
-    assert world.keep_scratch_memory()
+    assert xla.keep_scratch_memory()
 import jax, jax.numpy as jnp
 f = jax.jit(lambda x, w: jnp.sum(jnp.tanh(x @ w) @ w.T))  # a 16384 x 1024 float32 temporary: 64 MB
 x, w = jnp.ones((16384, 64), jnp.float32), jnp.ones((64, 1024), jnp.float32) * 1e-3

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from jdp import world
+from jdp import xla
 
 __all__ = ["REGISTRY", "Strategy", "get", "names"]
 
@@ -85,11 +85,11 @@ class Strategy:
         return {k: getattr(parallel, k) for k in self.options}
 
     def xla_flags(self, bucket_mb: float) -> dict[str, str]:
-        return world.collective_flags(bucket_mb, self.combine_cpu_all_reduces)
+        return xla.collective_flags(bucket_mb, self.combine_cpu_all_reduces)
 
     def set_xla_flags(self, bucket_mb: float = 25.0, environ: dict | None = None) -> list[str]:
-        """Its XLA options into XLA_FLAGS where the user has not set them (world.set_xla_flags)."""
-        return world.set_xla_flags(bucket_mb, environ, self.combine_cpu_all_reduces)
+        """Its XLA options into XLA_FLAGS where the user has not set them (xla.set_xla_flags)."""
+        return xla.set_xla_flags(bucket_mb, environ, self.combine_cpu_all_reduces)
 
 
 REGISTRY: dict[str, Strategy] = {
