@@ -55,9 +55,9 @@ def _nothing() -> Iterator[None]:
     yield
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
-    """What setting up a run hands the loop (trainer.py builds it)."""
+    """What setting up a run hands the loop (trainer.py builds it, by name)."""
 
     cfg: Config
     mesh: jax.sharding.Mesh

@@ -230,9 +230,11 @@ class Trainer:
             callbacks.append(Evaluate(t.eval_every or t.steps))
         callbacks += [*self.callbacks, Checkpoint(t.ckpt_every)]
         return Run(
-            cfg, mesh, data, eval_data, steps.graphdef, state, steps.train_step, steps.eval_step,
-            parallel.make_replica_digest(mesh), run_dir, ckpts, record, start, resumed_from, lost, metrics, meter,
-            phases, callbacks, self.unit, self.handle_signals,
+            cfg=cfg, mesh=mesh, data=data, eval_data=eval_data, graphdef=steps.graphdef, state=state,
+            train_step=steps.train_step, eval_step=steps.eval_step, digest=parallel.make_replica_digest(mesh),
+            run_dir=run_dir, ckpts=ckpts, record=record, start=start, resumed_from=resumed_from, lost_steps=lost,
+            log=metrics, meter=meter, phases=phases, callbacks=callbacks, unit=self.unit,
+            handle_signals=self.handle_signals,
         )  # fmt: skip
 
     def restore(self, run_dir: RunDir, steps: Steps, data) -> tuple[Checkpoints, int | None, Any]:
