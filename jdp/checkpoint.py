@@ -33,6 +33,9 @@ __all__ = [
     "checksums",
     "config_differences",
     "make_record",
+    "saved_comm",
+    "saved_data_state",
+    "saved_layout",
     "verify",
 ]
 
@@ -250,8 +253,13 @@ class Checkpoints:
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def save(self, step: int, state, record: dict) -> None:
-        """Start writing `state` and `record` (which gains the state's checksums) as checkpoint `step`."""
+    def save(self, step: int, state, record: dict, position: dict | None = None) -> None:
+        """Start writing `state` and `record` (which gains the state's checksums) as checkpoint `step`, and this
+        process's stream `position` beside it (data_state/STEP/process_N.json; every process writes its own)."""
+        if position is not None:
+            where = self.run_dir.data_state(step, jax.process_index())
+            where.parent.mkdir(parents=True, exist_ok=True)
+            where.write_text(json.dumps(position))
         record = {**record, "checksums": checksums(_without_comm(state))}
         items = {"state": ocp.args.StandardSave(_core(state))}
         if (comm := getattr(state, "comm", None)) is not None:
@@ -263,6 +271,24 @@ class Checkpoints:
             self.manager.save(step, args=ocp.args.Composite(**items, record=ocp.args.JsonSave(record)), force=True)
         except Exception as e:
             raise self._failed(e) from e
+
+    def position(self, step: int) -> dict:
+        """This process's stream position saved beside the checkpoint at `step`; an unreadable one is named."""
+        path = self.run_dir.data_state(step, jax.process_index())
+        saved = sorted(path.parent.glob("process_*.json"))
+        if not path.exists() and saved:  # written by a job of fewer processes (more is refused by load_position)
+            raise ConfigError(
+                f"the checkpoint at step {step} was saved by a streaming run of {len(saved)} process(es); a stream "
+                f"resumes only on as many (this job has {jax.process_count()}), or set train.resume=false to start over"
+            )
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(
+                f"{path}: the stream position saved with the checkpoint at step {step} cannot be read ({e}); a "
+                f"streaming run resumes only with it. Move {self.dir / str(step)} aside to resume from the "
+                f"checkpoint before it, or set train.resume=false to start over"
+            ) from None
 
     def wait(self) -> None:
         """Block until the save in flight is written; SaveFailed if it could not be (raised once)."""
@@ -450,12 +476,28 @@ def check_param_shapes(record: dict, param_shapes) -> None:
 def _pads_rows(record: dict) -> bool:
     """Whether the checkpoint's parameters are padded along their first axis (its record's optimizer_layout: fsdp's
     and hsdp's rows), so that restoring cuts or adds rows."""
-    return bool(record.get("optimizer_layout", {}).get("rows", False))
+    return bool(saved_layout(record).get("rows", False))
+
+
+def saved_layout(record: dict) -> dict:
+    """What the record keeps of the optimizer state's layout (the strategy's to_record; older records: none)."""
+    return record.get("optimizer_layout", {})
+
+
+def saved_comm(record: dict) -> dict | None:
+    """What the record keeps of the communication hook (step.comm_record), or None."""
+    return record.get("comm")
+
+
+def saved_data_state(record: dict) -> dict | None:
+    """What the record keeps of the data besides the step (a mixture's schedule: Source.state), or None."""
+    return record.get("data", {}).get("state")
 
 
 def make_record(
     cfg: Config,
     step: int,
+    *,
     optimizer_layout: dict,
     comm: dict | None = None,
     param_shapes: list | None = None,

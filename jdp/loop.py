@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -211,17 +210,13 @@ class Loop:
         run = self.run
         self.check_background_save(wait=True)  # the previous save's error names its own step, not this one
         self.notify("save", step)
-        if self.positions.get(step) is not None:  # a loader with a position of its own: this process's, beside it
-            where = run.run_dir.data_state(step, jax.process_index())
-            where.parent.mkdir(parents=True, exist_ok=True)
-            where.write_text(json.dumps(self.positions[step]))
         if bad := parallel.nonfinite_leaves(self.state.params):  # a checkpoint never holds a NaN or an Inf
             raise RuntimeError(
                 f"step {step}: the parameters hold NaN or Inf ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}"
                 f") although every loss and gradient was finite: the optimizer update overflowed. Not saved; the "
                 f"newest checkpoint is step {self.newest_checkpoint_before(step)}. Lower optim.lr"
             )
-        run.ckpts.save(step, self.state, run.record(step))
+        run.ckpts.save(step, self.state, run.record(step), self.positions.get(step))
         self.saved.add(step)
         self.notify("saving", step)
 

@@ -56,7 +56,7 @@ __all__ = [
     "make_replica_digest",
     "make_train_step",
     "nonfinite_leaves",
-    "layout_of_record",
+    "layout_of",
     "opt_layout",
     "param_names",
     "process_rows",
@@ -82,10 +82,9 @@ def opt_layout(strategy: str, mesh: jax.sharding.Mesh) -> OptLayout:
     return strategies.get(strategy).steps().layout(mesh)
 
 
-def layout_of_record(record: dict) -> OptLayout:
-    """The layout a checkpoint was written in, from its JSON record: the strategies' layout that reads it (each
-    strategy module's LAYOUT)."""
-    saved = record.get("optimizer_layout", {})
+def layout_of(saved: dict) -> OptLayout:
+    """The layout a checkpoint was written in, from what its record keeps of it (checkpoint.saved_layout): the one
+    of the strategies' layouts (each strategy module's LAYOUT) that reads it."""
     kinds = {strategies.get(name).steps().LAYOUT for name in strategies.names()}
     (kind,) = [k for k in kinds if k.reads(saved)]
     return kind(int(saved.get("shards", 0)))

@@ -25,7 +25,16 @@ from jax.experimental import multihost_utils
 
 from jdp import jax_private, parallel, strategies
 from jdp.callbacks import Callback, Checkpoint, Evaluate, ReplicaCheck, imported
-from jdp.checkpoint import Checkpoints, check_param_shapes, check_resumable, config_differences, make_record
+from jdp.checkpoint import (
+    Checkpoints,
+    check_param_shapes,
+    check_resumable,
+    config_differences,
+    make_record,
+    saved_comm,
+    saved_data_state,
+    saved_layout,
+)
 from jdp.config import Config, ConfigError, Derived, save_config, validate
 from jdp.coordination import PeerMonitor, announce_departure, describe_hosts, first_departure, publish_host
 from jdp.data.corpus import cache_root
@@ -255,8 +264,8 @@ class Trainer:
         start, state, record = restored
         state = steps.after_restore(state, record)
         if data.position() is not None:  # a loader with a position of its own (streaming) takes it back
-            data.load_position(stream_position(run_dir, start))
-        if (saved := record.get("data", {}).get("state")) is not None:
+            data.load_position(ckpts.position(start))
+        if (saved := saved_data_state(record)) is not None:
             if change := data.restore(saved, start):  # a mixture's schedule, reweighted if the weights changed
                 log.info(change)
         return ckpts, start, state
@@ -287,17 +296,17 @@ class Steps:
         """What to restore a checkpoint into: its optimizer state may be laid out for another strategy or device
         count; the hook's saved state is read only into the same hook on as many devices (else it starts afresh)."""
         like = parallel.restore_target(self.state, self.optimizer, self.mesh, self.strategy,
-                                       parallel.layout_of_record(record))  # fmt: skip
-        return like if record.get("comm") == self.comm else dataclasses.replace(like, comm=None)
+                                       parallel.layout_of(saved_layout(record)))  # fmt: skip
+        return like if saved_comm(record) == self.comm else dataclasses.replace(like, comm=None)
 
     def after_restore(self, state, record: dict):
         """A restored state laid out for today's strategy, saying what moved."""
-        if (saved := parallel.layout_of_record(record)) != self.layout:
+        if (saved := parallel.layout_of(saved_layout(record))) != self.layout:
             if not saved.reads_into(self.layout):  # else it was read straight into today's layout
                 state = parallel.relayout(state, self.optimizer, self.mesh, self.strategy)
             log.info(f"optimizer state moved from {saved.describe()} to {self.layout.describe()}")
-        if record.get("comm") != self.comm and (record.get("comm") or self.comm):
-            log.info(comm_change(record.get("comm"), self.comm))
+        if (saved_hook := saved_comm(record)) != self.comm and (saved_hook or self.comm):
+            log.info(comm_change(saved_hook, self.comm))
         return state
 
     def recorder(self, cfg: Config, data_state=None) -> Callable[[int], dict]:
@@ -305,7 +314,8 @@ class Steps:
         schedule, the same on every process), read when the record is made."""
         layout, comm = self.layout.to_record(), self.comm
         shapes = [list(x.shape) for x in jax.tree.leaves(self.state.param_shapes())]
-        return lambda step: make_record(cfg, step, layout, comm, shapes, data_state() if data_state else None)
+        return lambda step: make_record(cfg, step, optimizer_layout=layout, comm=comm, param_shapes=shapes,
+                                        data_state=data_state() if data_state else None)  # fmt: skip
 
 
 def apply_xla_options(cfg: Config) -> None:
@@ -426,25 +436,6 @@ def missing_records(run_dir: RunDir, cfg: Config, start: int) -> list[int]:
             f"missing_metrics_steps"
         )
     return missing
-
-
-def stream_position(run_dir: RunDir, step: int) -> dict:
-    """This process's stream position saved beside the checkpoint at `step`; an unreadable one is named."""
-    path = run_dir.data_state(step, jax.process_index())
-    saved = sorted(path.parent.glob("process_*.json"))
-    if not path.exists() and saved:  # written by a job of fewer processes (more is refused by load_position)
-        raise ConfigError(
-            f"the checkpoint at step {step} was saved by a streaming run of {len(saved)} process(es); a stream "
-            f"resumes only on as many (this job has {jax.process_count()}), or set train.resume=false to start over"
-        )
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(
-            f"{path}: the stream position saved with the checkpoint at step {step} cannot be read ({e}); a "
-            f"streaming run resumes only with it. Move {run_dir.checkpoints / str(step)} aside to resume from the "
-            f"checkpoint before it, or set train.resume=false to start over"
-        ) from None
 
 
 def comm_change(saved: dict | None, now: dict | None) -> str:

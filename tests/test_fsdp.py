@@ -247,7 +247,7 @@ def test_fsdp_refuses_a_state_built_for_ddp_and_scalar_parameters():
     with pytest.raises(ValueError, match="not laid out for fsdp on 4 devices"):
         fsdp_step(ddp_state, parallel.shard_batch(make_batch(0), mesh))
     with pytest.raises(ValueError, match="splits every parameter along its first axis, but s is a scalar"):
-        parallel.layout_of_record({"optimizer_layout": {"shards": 4, "rows": True}}).check(
+        parallel.layout_of({"shards": 4, "rows": True}).check(
             optax.adamw(1e-3), {"s": jnp.zeros(()), "w": jnp.zeros((3, 2))}
         )
     with pytest.raises(ValueError, match="takes no option reshard_after_forward"):

@@ -180,6 +180,24 @@ def test_a_layout_is_asked_never_told_apart_outside_the_strategies():
         assert told_apart.search(bad), bad  # it finds them
 
 
+def test_the_checkpoint_format_has_one_owner():
+    """checkpoint.py lays out and reads a checkpoint's record (make_record, saved_layout, saved_comm,
+    saved_data_state) and the stream positions beside it (Checkpoints.save, .position); nothing else indexes the
+    record's keys or writes beside a checkpoint."""
+    keys = "|".join(("optimizer_layout", "comm", "data", "config", "param_shapes", "checksums", "comm_checksums"))
+    reads = re.compile(rf"""record(\.get\(|\[)\s*["']({keys})["']|\.data_state\(""")
+    offenders = [
+        f"{name}:{i}: {line.strip()}"
+        for name, path in MODULES.items()
+        if name not in ("checkpoint", "rundir")
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if reads.search(line)
+    ]
+    assert offenders == [], offenders
+    for bad in ('record.get("comm")', "record['optimizer_layout']", "run_dir.data_state(step, rank)"):
+        assert reads.search(bad), bad  # it finds them
+
+
 def test_fault_injection_lives_in_the_tests_not_in_jdp():
     """The tests inject faults through a callback of their own (tests/inject.py); jdp has no fault code."""
     offenders = [name for name, path in MODULES.items() if "JDP_TEST_" in path.read_text()]

@@ -205,11 +205,12 @@ def test_the_trainer_streams_a_dataset_and_a_resumed_run_ends_where_an_uninterru
 
 
 def test_a_stream_saved_by_another_process_count_is_named_on_resume(tmp_path):
-    """The trainer's reader of saved positions: a missing file of this process beside others names the count."""
+    """The reader of saved positions (the checkpoints'): a missing file of this process beside others names the count."""
+    from jdp.checkpoint import Checkpoints
     from jdp.rundir import RunDir
-    from jdp.trainer import stream_position
 
     run = RunDir(tmp_path)
+    stream_position = Checkpoints(tmp_path, 3).position
     for process in (1, 2):  # saved by processes 1 and 2 of some job; this one is process 0
         run.data_state(4, process).parent.mkdir(parents=True, exist_ok=True)
         run.data_state(4, process).write_text("{}")

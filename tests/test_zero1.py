@@ -135,7 +135,7 @@ def test_compiled_zero1_step_reduce_scatters_gradients_and_all_gathers_parameter
     assert not any(c.in_loop for c in found)  # grad_accum=2: nothing inside the accumulation loop
 
 
-ZERO1_LAYOUT = parallel.layout_of_record({"optimizer_layout": {"shards": 4, "rows": False}})  # zero1's, on 4 devices
+ZERO1_LAYOUT = parallel.layout_of({"shards": 4, "rows": False})  # zero1's, on 4 devices
 
 
 def test_zero1_refuses_an_optimizer_whose_state_is_not_elementwise():
