@@ -13,7 +13,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jdp import parallel, strategies
+from jdp import parallel
 from jdp.config import Config, ParallelConfig
 from jdp.hooks import CommHook, PowerSGD
 from jdp.models import make_model
@@ -41,18 +41,8 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, model: nnx.Module | None = None)
     p = cfg.parallel
     hook = comm_hook(p, cfg.train.seed)
     graphdef, state = parallel.init_state(model, optimizer, mesh, p.strategy, hook)
-    train_step = parallel.make_train_step(
-        graphdef,
-        lm_loss,
-        optimizer,
-        mesh,
-        cfg.train.grad_accum,
-        schedule,
-        strategy=p.strategy,
-        bucket_mb=p.bucket_mb,
-        reduce_dtype=p.reduce_dtype,
-        comm_hook=hook,
-        **strategies.get(p.strategy).options_of(p),
+    train_step = parallel.configured_train_step(
+        graphdef, lm_loss, optimizer, mesh, p, cfg.train.grad_accum, schedule, hook
     )
     return Built(graphdef, state, train_step, n_params, optimizer, hook)
 

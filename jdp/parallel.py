@@ -46,6 +46,7 @@ __all__ = [
     "TrainState",
     "batch_sharding",
     "comm_record",
+    "configured_train_step",
     "init_state",
     "init_state_from",
     "make_eval_step",
@@ -145,6 +146,17 @@ def _with_optimizer(params, rest, optimizer, mesh, strategy: str, comm_hook, own
     opt_state = jax.jit(init, out_shardings=steps.opt_shardings(shapes, mesh))(params)
     step = jax.device_put(np.zeros((), np.int32), replicated(mesh))
     return TrainState(step, params, opt_state, rest, init_comm(comm_hook, params, mesh), own)
+
+
+def configured_train_step(graphdef, loss_fn: LossFn, optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh,
+                          par, grad_accum: int = 1, schedule: optax.Schedule | None = None,
+                          comm_hook: CommHook | None = None):  # fmt: skip
+    """make_train_step as a config's `parallel` section asks for it (its strategy's own options included): the one
+    way jdp's commands and the trainer assemble a step."""
+    return make_train_step(
+        graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, strategy=par.strategy, bucket_mb=par.bucket_mb,
+        reduce_dtype=par.reduce_dtype, comm_hook=comm_hook, **strategies.get(par.strategy).options_of(par),
+    )  # fmt: skip
 
 
 def make_train_step(

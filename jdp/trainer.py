@@ -344,11 +344,8 @@ def build_steps(model, loss_fn, optimizer, mesh, cfg: Config, schedule=None, com
         graphdef, state = parallel.init_state_from(factory, optimizer, mesh, p.strategy, comm_hook)
     else:
         graphdef, state = parallel.init_state(model, optimizer, mesh, p.strategy, comm_hook)
-    train_step = parallel.make_train_step(
-        graphdef, loss_fn, optimizer, mesh, cfg.train.grad_accum, schedule,
-        strategy=p.strategy, bucket_mb=p.bucket_mb, reduce_dtype=p.reduce_dtype, comm_hook=comm_hook,
-        **strategies.get(p.strategy).options_of(p),
-    )  # fmt: skip
+    train_step = parallel.configured_train_step(graphdef, loss_fn, optimizer, mesh, p, cfg.train.grad_accum, schedule,
+                                                comm_hook)  # fmt: skip
     eval_step = parallel.make_strategy_eval_step(eval_graphdef, loss_fn, mesh, p.strategy)
     return Steps(graphdef, state, train_step, eval_step, optimizer, mesh, p.strategy, comm_hook)
 
