@@ -21,7 +21,7 @@ formats.register(format_reversed.REVERSED)
 SMALL = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=32", "data.seq_len=32",
          f"data.source={CORPUS}", "data.format=reversed", "data.val_tokens=512", "train.batch_size=8"]  # fmt: skip
 JDP_WITH_FORMAT = (
-    "import sys, format_reversed; from jdp import formats; formats.register(format_reversed.REVERSED); "
+    "import sys, format_reversed; from jdp.data import formats; formats.register(format_reversed.REVERSED); "
     "from jdp.cli import main; sys.exit(main(sys.argv[1:]))"
 )
 
