@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from jdp.log import logger
 
@@ -16,6 +17,7 @@ __all__ = ["COORDINATOR_PORT_ENV", "DESCRIBED", "SCHEDULERS", "World", "WorldErr
 log = logger("jdp.world")
 
 
+@dataclass(frozen=True)
 class World:
     """How this process joins a job: which coordinator, how many processes, which one it is."""
 
