@@ -215,6 +215,6 @@ def test_a_stream_saved_by_another_process_count_is_named_on_resume(tmp_path):
         run.data_state(4, process).parent.mkdir(parents=True, exist_ok=True)
         run.data_state(4, process).write_text("{}")
     with pytest.raises(ConfigError, match=r"saved by a streaming run of 2 process\(es\); a stream resumes only on as"):
-        stream_position(run, 4)
+        stream_position(4)
     run.data_state(4, 0).write_text('{"at": 3}')
-    assert stream_position(run, 4) == {"at": 3}
+    assert stream_position(4) == {"at": 3}
