@@ -37,6 +37,16 @@ def imports(path: Path) -> set[str]:
     return found & set(MODULES)
 
 
+def lines_matching(pattern: re.Pattern, modules, also=lambda line: True) -> list[str]:
+    """`module:line: text` of every line of `modules` (names) that `pattern` finds (and `also` accepts)."""
+    return [
+        f"{name}:{i}: {line.strip()}"
+        for name in modules
+        for i, line in enumerate(MODULES[name].read_text().splitlines(), 1)
+        if pattern.search(line) and also(line)
+    ]
+
+
 def imported_by_name(path: Path) -> set[str]:
     """The jdp modules `path` names in a string ("jdp.models.gpt"): what a registry imports on first use."""
     named = {f"jdp.{name}": name for name in MODULES}
@@ -110,13 +120,7 @@ def test_strategy_names_are_compared_only_in_the_strategy_registry():
     function of its module: adding a strategy is one module and one entry, never an `if strategy == ...` elsewhere."""
     names = "|".join(("ddp", "zero1", "dp", "fsdp", "hsdp"))
     compared = re.compile(rf"""(==|!=|\bin\b)\s*[(\[{{]?\s*["']({names})["']|["']({names})["']\s*(==|!=|\bin\b)""")
-    offenders = [
-        f"{name}:{i}: {line.strip()}"
-        for name, path in MODULES.items()
-        if not name.startswith("strategies")
-        for i, line in enumerate(path.read_text().splitlines(), 1)
-        if compared.search(line)
-    ]
+    offenders = lines_matching(compared, [name for name in MODULES if not name.startswith("strategies")])
     assert offenders == [], offenders
     assert compared.search('if strategy == "zero1":') and compared.search("elif 'dp' in names")  # it finds them
 
@@ -129,13 +133,7 @@ def test_model_families_are_asked_never_branched_on_outside_their_package():
         rf"""\barch\s*(==|!=|\bin\b)|(==|!=|\bin\b)\s*[(\[{{]?\s*["'](gpt|llama)["']|isinstance\([^)]*\b({families})\b"""
         rf"|from jdp\.models\.(gpt|llama) import|\b(gpt|llama)\.({families})\b"
     )
-    offenders = [
-        f"{name}:{i}: {line.strip()}"
-        for name, path in MODULES.items()
-        if not name.startswith("models")
-        for i, line in enumerate(path.read_text().splitlines(), 1)
-        if branch.search(line)
-    ]
+    offenders = lines_matching(branch, [name for name in MODULES if not name.startswith("models")])
     assert offenders == [], offenders
     for bad in ('if m.arch == "llama":', "isinstance(model, GPT)", "isinstance(model, GPT | Llama)",
                 'untied = cfg.model.arch in ("llama",)', "from jdp.models.llama import rope"):  # fmt: skip
@@ -146,12 +144,7 @@ def test_the_trainer_asks_its_data_never_probes_it():
     """The trainer, the loop and its callbacks call what dataset.Source says a run's data does; only
     dataset.source_for looks at what a user handed in (and gives a loader of their own Source's defaults)."""
     probe = re.compile(r"\b(hasattr|getattr)\((run\.)?(data|eval_data|self\.data|run\.eval_data)\b")
-    offenders = [
-        f"{name}:{i}: {line.strip()}"
-        for name in ("trainer", "loop", "callbacks", "lm")
-        for i, line in enumerate(MODULES[name].read_text().splitlines(), 1)
-        if probe.search(line)
-    ]
+    offenders = lines_matching(probe, ("trainer", "loop", "callbacks", "lm"))
     assert offenders == [], offenders
     assert probe.search('getattr(data, "stats", None)') and probe.search('hasattr(run.eval_data, "eval_sets")')
 
@@ -168,13 +161,8 @@ def test_a_layout_is_asked_never_told_apart_outside_the_strategies():
     itself; outside the strategies and step.py nothing asks which kind it holds (only what it can do:
     splits_parameters, reads_into) and checkpoint.py reads its own record."""
     told_apart = re.compile(r"\.rows\b(?!\()|\.of_record\(|\brows=(True|False)|\b(Slices|Rows)\(|\bOptLayout\(\w")
-    offenders = [
-        f"{name}:{i}: {line.strip()}"
-        for name, path in MODULES.items()
-        if not name.startswith("strategies") and name != "step"
-        for i, line in enumerate(path.read_text().splitlines(), 1)
-        if told_apart.search(line) and "layout" in line.lower()
-    ]
+    outside = [name for name in MODULES if not name.startswith("strategies") and name != "step"]
+    offenders = lines_matching(told_apart, outside, also=lambda line: "layout" in line.lower())
     assert offenders == [], offenders
     for bad in ("if layout.rows:", "OptLayout(n, rows=True)", "saved = OptLayout.of_record(record)", "layout = Rows(4)"):
         assert told_apart.search(bad), bad  # it finds them
@@ -186,13 +174,7 @@ def test_the_checkpoint_format_has_one_owner():
     record's keys or writes beside a checkpoint."""
     keys = "|".join(("optimizer_layout", "comm", "data", "config", "param_shapes", "checksums", "comm_checksums"))
     reads = re.compile(rf"""record(\.get\(|\[)\s*["']({keys})["']|\.data_state\(""")
-    offenders = [
-        f"{name}:{i}: {line.strip()}"
-        for name, path in MODULES.items()
-        if name not in ("checkpoint", "rundir")
-        for i, line in enumerate(path.read_text().splitlines(), 1)
-        if reads.search(line)
-    ]
+    offenders = lines_matching(reads, [name for name in MODULES if name not in ("checkpoint", "rundir")])
     assert offenders == [], offenders
     for bad in ('record.get("comm")', "record['optimizer_layout']", "run_dir.data_state(step, rank)"):
         assert reads.search(bad), bad  # it finds them
