@@ -100,7 +100,7 @@ class Text(Source):
 
     def __init__(self, data: Data, cfg: Config):
         self.data, self.train = data, data.train
-        self.seq_len, self.batch_size, self.steps = cfg.data.seq_len, cfg.train.batch_size, cfg.train.steps
+        self.steps = cfg.train.steps  # a mixture's banner lines say each source's epochs after them
         within = cfg.data.within_documents
         eod = data.tokenizer.eod_id
         self.documents = (lambda batch: documents(batch, eod)) if within else (lambda batch: batch)

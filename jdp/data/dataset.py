@@ -268,10 +268,6 @@ class Loader(Source):
     def epoch(self, step: int) -> float:
         return self.order.epoch(step)
 
-    def position(self) -> None:
-        """Map-style data has no position of its own: the step is the position, so resuming needs nothing."""
-        return None
-
     def eval_batches(self) -> Iterator[Batch]:
         """This process's rows of each global batch of every row once, in order; the last batch is filled up by
         repeating rows, which carry `valid` = 0 (1 for the real rows) so that evaluation counts them out."""
