@@ -65,7 +65,7 @@ def test_the_cpu_mode_runs_every_step_and_writes_five_files(cpu_check):
         assert t["grad_accum"] == 2 and t["step_ms"] > 0 and 0 < t["mfu"] < 1.5
         assert t["last_loss"] < t["first_loss"]
         assert t["plan"]["assumed"]["mfu"] == 0.5
-        assert t["plan"]["calibrated"]["mfu"] == pytest.approx(t["mfu"], rel=1e-4)  # the run's MFU, planned with
+        assert t["plan"]["calibrated"]["mfu"] == pytest.approx(min(t["mfu"], 1.0), rel=1e-4)  # the run's MFU, planned with
         assert t["plan"]["assumed"]["memory"]["total"] > 0 and t["goodput"]["train_steps_s"] > 0
         g = steps["generate"][name]
         assert g["same_tokens"] and g["cached_tokens_per_sec"] > 0 and g["uncached_tokens_per_sec"] > 0
