@@ -9,15 +9,16 @@ in errors, times it for the goodput account and pauses the step watchdog where t
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 
 from jdp import parallel
+from jdp.config import Config
+from jdp.data.dataset import Source
 from jdp.errors import ConfigError
-
-Loop = Any  # jdp.loop.Loop, which calls the callbacks (not imported: loop.py imports this module)
 
 __all__ = [
     "POINTS",
@@ -25,8 +26,10 @@ __all__ = [
     "Checkpoint",
     "Evaluate",
     "Every",
+    "Loop",
     "Periodic",
     "ReplicaCheck",
+    "RunView",
     "StepInfo",
     "every",
     "imported",
@@ -50,6 +53,57 @@ class StepInfo:
         from flax import nnx
 
         return nnx.merge(self.graphdef, self.state.params, self.state.rest)
+
+
+class RunView(Protocol):
+    """What a callback sees of how the run was set up (jdp.loop.Run is one)."""
+
+    cfg: Config
+    mesh: jax.sharding.Mesh
+    eval_data: Source | None  # None: no evaluation
+    eval_step: Callable | None  # (state, global batch) -> (loss sum, weight sum)
+    digest: Callable  # parallel.make_replica_digest(mesh)
+    graphdef: Any
+    run_dir: Any  # rundir.RunDir
+    unit: str  # what the loss weight counts: tokens, examples
+
+    @property
+    def batch_size(self) -> int: ...
+
+
+class Loop(Protocol):
+    """What a callback sees of the running loop (jdp.loop.Loop is one): the state, what was saved, and the few
+    things a callback may do to the run. Nothing else of the loop (its progress bar, its meter) is a callback's."""
+
+    run: RunView
+    state: parallel.TrainState  # after `done` steps; a callback may replace it (tests/inject.py does)
+    done: int  # the steps done
+    saved: set[int]  # the steps checkpointed, by this attempt or before it
+    is_main: bool  # process 0: the one that writes files and prints
+    last: dict[str, Any]  # the last metrics record, and eval_loss: what StepInfo.metrics and the result hold
+    phases: Callable[..., AbstractContextManager]  # phases(name, account=None, pause_watchdog=False): loop.Phases
+
+    def notify(self, point: str, step: int) -> None:
+        """Every callback's `at(loop, point, step)`: one of POINTS has been reached."""
+
+    def info(self, step: int) -> StepInfo: ...
+
+    def flush(self) -> None:
+        """Fetch and log the metrics of the step dispatched last."""
+
+    def write(self, record: dict) -> None:
+        """One record into metrics.jsonl and the trackers."""
+
+    def say(self, text: str) -> None:
+        """A line above the progress bar, on the main process."""
+
+    def not_training(self) -> None:
+        """The time since the last step was not training: throughput is measured afresh from here."""
+
+    def save(self, step: int) -> None:
+        """Write checkpoint `step` in the background."""
+
+    def check_background_save(self, wait: bool = False) -> None: ...
 
 
 class Callback:
@@ -196,11 +250,10 @@ class Evaluate(Periodic):
             if label:
                 record.update({f"eval_loss/{label}": loss_k, f"eval_{run.unit}/{label}": weight_k})
         loss = loss_sum / max(weight, 1.0)
-        run.log.write({**record, "eval_loss": loss, f"eval_{run.unit}": weight})
+        loop.write({**record, "eval_loss": loss, f"eval_{run.unit}": weight})
         loop.last.update(eval_loss=loss)
-        if loop.is_main:
-            loop.bar.write(f"step {step}: eval_loss {loss:.4f} over {weight:,.0f} {run.unit}")
-        loop.meter.restart()  # evaluation time is not training throughput
+        loop.say(f"step {step}: eval_loss {loss:.4f} over {weight:,.0f} {run.unit}")
+        loop.not_training()  # evaluation time is not training throughput
 
     def end(self, loop: Loop, preempted: bool) -> None:
         if not preempted:

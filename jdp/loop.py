@@ -96,7 +96,8 @@ class Result:
 
 
 class Loop:
-    """Runs the steps of one attempt; after each, every callback that is due (each in its own phase)."""
+    """Runs the steps of one attempt; after each, every callback that is due (each in its own phase). Callbacks see
+    it as callbacks.Loop: what they may read and do."""
 
     def __init__(self, run: Run):
         self.run, self.t, self.state, self.done = run, run.cfg.train, run.state, run.start
@@ -179,10 +180,8 @@ class Loop:
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
         self.phases.watchdog.progress(step)
         self.meter.count(m)
-        if m["skipped"] and self.is_main:
-            self.bar.write(
-                f"step {step}: non-finite loss or gradient (loss {m['loss']}, grad_norm {m['grad_norm']}): update skipped"
-            )
+        if m["skipped"]:
+            self.say(f"step {step}: non-finite loss or gradient (loss {m['loss']}, grad_norm {m['grad_norm']}): update skipped")
         if self.meter.bad_run > self.t.max_bad_steps:
             raise RuntimeError(
                 f"{self.meter.bad_run} non-finite steps in a row (more than train.max_bad_steps={self.t.max_bad_steps}),"
@@ -196,6 +195,16 @@ class Loop:
         tps = f"{self.meter.tps:,.0f}" if self.meter.tps else "-"
         self.bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=tps, refresh=False)
         self.bar.update(1)
+
+    def write(self, record: dict) -> None:
+        self.run.log.write(record)
+
+    def say(self, text: str) -> None:
+        if self.is_main:
+            self.bar.write(text)
+
+    def not_training(self) -> None:
+        self.meter.restart()
 
     def notify(self, point: str, step: int) -> None:
         """Every callback's `at(self, point, step)`: one of callbacks.POINTS has been reached."""

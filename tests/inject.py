@@ -65,8 +65,8 @@ class Faults(jdp.Callback):
         if point == "step_end" and self.kill_once.startswith(f"{step}:{jax.process_index()}:"):
             marker = Path(self.kill_once.split(":", 2)[2])
             if not marker.exists():
-                every = loop.t.ckpt_every
-                saved = Path(loop.t.run_dir) / "checkpoints" / str(step - step % every) if every else None
+                every = loop.run.cfg.train.ckpt_every
+                saved = Path(loop.run.cfg.train.run_dir) / "checkpoints" / str(step - step % every) if every else None
                 deadline = time.monotonic() + 120
                 while saved is not None and not (saved / "record").exists() and time.monotonic() < deadline:
                     time.sleep(0.1)  # the others wait in the next step's collective; the save commits meanwhile
