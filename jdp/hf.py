@@ -1,13 +1,13 @@
 """Hugging Face models in and out: GPT-2 and the Llama family (Llama, Qwen2, Mistral, SmolLM) directories
-(config.json + safetensors) <-> jdp's GPT and Llama, one name table per architecture.
+(config.json + safetensors) <-> jdp's GPT and Llama, by the name table each family declares per architecture.
 
 GPT-2 is jdp's GPT with biases (model.bias=true): the same pre-norm blocks, LayerNorm, tanh GELU, learned positions
 and an output tied to the embedding, and HF's `Conv1D` stores its weights [in, out] like a Flax kernel, so every
 tensor maps one to one. LlamaForCausalLM, Qwen2ForCausalLM (q/k/v biases) and MistralForCausalLM (without a sliding
 window) are jdp's Llama (model.arch=llama, jdp/models/llama.py): their `nn.Linear` weights are [out, in], the transpose of
 a Flax kernel, and their rotary embedding is the rotate-half one jdp computes, so q and k need no permutation.
-Another architecture is one more `Architecture`: its names, which of them are transposed, its config.json reader
-and writer.
+Another architecture is one more `Architecture` (jdp/models/hf_names.py) in its family's `HF_ARCHITECTURES`: its
+names, which of them are transposed, its config.json reader and writer; nothing here changes.
 
 Import reads the tensors with safetensors' numpy API (no torch), from one `model.safetensors` or the shards of a
 `model.safetensors.index.json`, one tensor at a time, memory-mapped, into the model's dtype (no random init runs, no
@@ -26,11 +26,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 import resource
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -42,16 +40,12 @@ from flax import nnx
 from jdp import models
 from jdp.errors import ConfigError
 from jdp.models.config import ModelConfig
+from jdp.models.hf_names import Architecture, Slot
 
 __all__ = [
-    "ARCHITECTURES",
     "CONFIG",
     "GENERATION_CONFIG",
-    "GPT2",
     "INDEX",
-    "LLAMA",
-    "MISTRAL",
-    "QWEN2",
     "TOKENIZER_FILES",
     "VOCAB_MULTIPLE",
     "WEIGHTS",
@@ -63,6 +57,7 @@ __all__ = [
     "Weights",
     "adopt",
     "architecture",
+    "architectures",
     "export",
     "is_hf_dir",
     "load_model",
@@ -82,302 +77,9 @@ TOKENIZER_FILES = (
 _RUN_SETTINGS = ("dtype", "param_dtype", "attention", "vocab_valid")
 
 
-class Slot(NamedTuple):
-    """Where one Hugging Face tensor goes in jdp's model, and whether it is stored transposed ([out, in])."""
-
-    path: tuple
-    transposed: bool
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """One Hugging Face architecture: its names for jdp's parameters, per model and per block, and how its
-    config.json reads into jdp's ModelConfig (`fields`) and is written from it (`hf_config`)."""
-
-    model_type: str
-    class_name: str
-    family: str  # the jdp model family (model.arch, jdp/models/) it reads into
-    prefix: str  # before every name in the files but the output layer's ("transformer."); names without it read too
-    top: dict[str, tuple]  # HF name -> jdp parameter path
-    block: dict[str, tuple]  # HF name after "{blocks}.{i}." -> path after ("blocks", i)
-    blocks: str  # the HF name of the block list
-    buffers: re.Pattern  # names in old files that are not parameters (causal masks, rotary tables): skipped
-    embedding: str  # the token embedding's name: its rows are the vocabulary
-    tied_output: str  # the output layer's name: when tied to the embedding, not written, and checked equal if read
-    transposed: frozenset[str]  # names (in `top` or `block`) stored [out, in], the transpose of a Flax kernel
-    bias_key: str  # the ModelConfig switch of the table's biases: biases into a model without them must be zero
-    fields: Callable[[dict], tuple[dict, list[str]]]  # config.json -> (ModelConfig fields, what jdp cannot compute)
-    hf_config: Callable[[ModelConfig], dict]  # ModelConfig -> this architecture's keys of config.json
-
-    def table(self, m: ModelConfig) -> dict[str, Slot]:
-        """Every HF name (without the prefix) of model `m` -> where it goes in jdp's model."""
-        names = {k: Slot(v, k in self.transposed) for k, v in self.top.items()}
-        if m.tie_embeddings:
-            names.pop(self.tied_output, None)
-        for i in range(m.n_layers):
-            names.update(
-                {f"{self.blocks}.{i}.{k}": Slot(("blocks", i, *v), k in self.transposed) for k, v in self.block.items()}
-            )
-        return names
-
-    def file_name(self, name: str) -> str:
-        """The name in the files: the prefix, except for the output layer, which sits beside the base model."""
-        return name if name == self.tied_output else self.prefix + name
-
-
-# ---- GPT-2 -----------------------------------------------------------------------------------------------------
-
-_GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")  # jax.nn.gelu(approximate=True), one formula
-
-
-def _gpt2_fields(hf: dict) -> tuple[dict, list[str]]:
-    d = hf.get("n_embd", 768)
-    problems = []
-    if hf.get("activation_function", "gelu_new") not in _GELU_TANH:
-        problems.append(f"activation_function {hf['activation_function']!r} (jdp's MLP uses tanh GELU, gelu_new)")
-    if (n_inner := hf.get("n_inner")) is not None and n_inner % d:
-        problems.append(f"n_inner {n_inner} is not a multiple of n_embd {d}")
-    if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx", False):
-        problems.append("attention scaled other than by 1/sqrt(head width)")
-    if not hf.get("tie_word_embeddings", True):
-        problems.append("tie_word_embeddings false (jdp's output layer is the embedding)")
-    fields = {
-        "vocab_size": hf.get("vocab_size", 50257),
-        "max_seq_len": hf.get("n_positions", 1024),
-        "d_model": d,
-        "n_layers": hf.get("n_layer", 12),
-        "n_heads": hf.get("n_head", 12),
-        "mlp_ratio": (hf.get("n_inner") or 4 * d) // d,
-        "bias": True,
-        "arch": "gpt",
-        "norm_eps": hf.get("layer_norm_epsilon", 1e-5),
-    }
-    return fields, problems
-
-
-def _gpt2_config(m: ModelConfig) -> dict:
-    return {
-        "n_positions": m.max_seq_len,
-        "n_embd": m.d_model,
-        "n_layer": m.n_layers,
-        "n_head": m.n_heads,
-        "n_inner": m.mlp_ratio * m.d_model,
-        "activation_function": "gelu_new",
-        "layer_norm_epsilon": m.norm_eps,
-        "resid_pdrop": 0.0,  # jdp trains without dropout
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-        "tie_word_embeddings": True,
-    }
-
-
-GPT2 = Architecture(
-    model_type="gpt2",
-    class_name="GPT2LMHeadModel",
-    family="gpt",
-    prefix="transformer.",
-    top={
-        "wte.weight": ("embed", "embedding"),
-        "wpe.weight": ("pos_embed",),
-        "ln_f.weight": ("norm", "scale"),
-        "ln_f.bias": ("norm", "bias"),
-    },
-    block={
-        "ln_1.weight": ("norm1", "scale"),
-        "ln_1.bias": ("norm1", "bias"),
-        "attn.c_attn.weight": ("attn", "qkv", "kernel"),
-        "attn.c_attn.bias": ("attn", "qkv", "bias"),
-        "attn.c_proj.weight": ("attn", "out", "kernel"),
-        "attn.c_proj.bias": ("attn", "out", "bias"),
-        "ln_2.weight": ("norm2", "scale"),
-        "ln_2.bias": ("norm2", "bias"),
-        "mlp.c_fc.weight": ("mlp", "up", "kernel"),
-        "mlp.c_fc.bias": ("mlp", "up", "bias"),
-        "mlp.c_proj.weight": ("mlp", "down", "kernel"),
-        "mlp.c_proj.bias": ("mlp", "down", "bias"),
-    },
-    blocks="h",
-    buffers=re.compile(r"h\.\d+\.attn\.(bias|masked_bias)$"),
-    embedding="wte.weight",
-    tied_output="lm_head.weight",
-    transposed=frozenset(),  # Conv1D stores [in, out], as Flax does
-    bias_key="bias",
-    fields=_gpt2_fields,
-    hf_config=_gpt2_config,
-)
-
-# ---- the Llama family ------------------------------------------------------------------------------------------
-
-# config.json's defaults where a key is missing: the transformers classes' (LlamaConfig, Qwen2Config, MistralConfig)
-_LLAMA_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-                   "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
-                   "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False}  # fmt: skip
-_DEFAULTS = {
-    "llama": _LLAMA_DEFAULTS,
-    "qwen2": {**_LLAMA_DEFAULTS, "vocab_size": 151936, "intermediate_size": 22016, "max_position_embeddings": 32768},
-    "mistral": {**_LLAMA_DEFAULTS, "intermediate_size": 14336, "num_key_value_heads": 8,
-                "max_position_embeddings": 131072, "sliding_window": 4096},
-}  # fmt: skip
-# llama3 RoPE scaling's keys in config.json -> jdp's
-_LLAMA3_KEYS = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
-                "high_freq_factor": "rope_high_freq_factor", "original_max_position_embeddings": "rope_original_max_len"}  # fmt: skip
-
-
-def _rope_fields(hf: dict, default_theta: float) -> tuple[dict, list[str]]:
-    """RoPE's fields from transformers v4's `rope_theta` + `rope_scaling` or v5's `rope_parameters` (or both, agreeing)."""
-    legacy, params, theta = hf.get("rope_scaling"), hf.get("rope_parameters"), hf.get("rope_theta")
-    problems = []
-    for key, value in (("rope_scaling", legacy), ("rope_parameters", params)):
-        if value is not None and not isinstance(value, dict):
-            return {}, [f"{key} {value!r} (expected a mapping, e.g. {{'rope_type': 'llama3', ...}})"]
-    if params and params.get("rope_theta") is not None:
-        if theta is not None and theta != params["rope_theta"]:
-            problems.append(f"rope_theta {theta} and rope_parameters.rope_theta {params['rope_theta']} disagree")
-        theta = params["rope_theta"]
-    fields = {"rope_theta": float(default_theta if theta is None else theta), "rope_scaling": ""}
-    kinds = {}
-    for key, value in (("rope_scaling", legacy), ("rope_parameters", params)):
-        if value:
-            kinds[key] = value.get("rope_type", value.get("type", "default"))
-    if len(set(kinds.values())) > 1:
-        problems.append(f"rope_scaling type {kinds['rope_scaling']!r} and rope_parameters type "
-                        f"{kinds['rope_parameters']!r} disagree")  # fmt: skip
-        return fields, problems
-    key, kind = next(iter(kinds.items()), ("rope_scaling", "default"))
-    scaling = legacy or params
-    if kind == "llama3":
-        fields["rope_scaling"] = "llama3"
-        for theirs, ours in _LLAMA3_KEYS.items():
-            if scaling.get(theirs) is None:
-                problems.append(f"{key}.{theirs} missing (llama3 RoPE scaling needs it)")
-            else:
-                fields[ours] = type(getattr(ModelConfig(), ours))(scaling[theirs])
-    elif kind != "default":
-        problems.append(f"{key} type {kind!r} (jdp computes plain RoPE and llama3 scaling; not linear, dynamic, "
-                        f"yarn, longrope or others)")  # fmt: skip
-    if (partial := (scaling or {}).get("partial_rotary_factor", 1.0)) != 1.0:
-        problems.append(f"{key}.partial_rotary_factor {partial} (jdp rotates every dimension of a head)")
-    return fields, problems
-
-
-def _sliding_window_problems(hf: dict, model_type: str, positions: int) -> list[str]:
-    """Sliding-window attention is refused: jdp attends to every earlier position (a window at least as long as
-    the model's positions is no window)."""
-    problems = []
-    if model_type == "qwen2" and hf.get("use_sliding_window"):
-        problems.append("use_sliding_window true (sliding-window attention; jdp attends to every earlier position)")
-    if model_type == "mistral":
-        window = hf.get("sliding_window", _DEFAULTS["mistral"]["sliding_window"])
-        if window is not None and window < positions:
-            problems.append(
-                f"sliding_window {window} (shorter than max_position_embeddings {positions}: sliding-window "
-                f"attention, which jdp does not compute; Mistral v0.2 and later have none)"
-            )
-    if any(kind != "full_attention" for kind in hf.get("layer_types") or []):
-        problems.append(f"layer_types {sorted(set(hf['layer_types']))} (jdp computes full_attention only)")
-    return problems
-
-
-def _llama_fields(hf: dict) -> tuple[dict, list[str]]:
-    model_type = hf["model_type"]
-    defaults = _DEFAULTS[model_type]
-    get = lambda key: hf[key] if hf.get(key) is not None else defaults.get(key)  # noqa: E731  (null: the default)
-    D, H = get("hidden_size"), get("num_attention_heads")
-    G, K = get("num_key_value_heads") or H, get("head_dim") or (D // H if H else 0)
-    problems = []
-    if (act := get("hidden_act")) not in ("silu", "swish"):
-        problems.append(f"hidden_act {act!r} (jdp's SwiGLU MLP uses silu)")
-    if model_type != "qwen2" and hf.get("attention_bias"):
-        problems.append("attention_bias true (biases on q, k, v and o_proj; jdp has q/k/v biases only, as Qwen2)")
-    if hf.get("mlp_bias"):
-        problems.append("mlp_bias true (jdp's MLP has no biases)")
-    if hf.get("quantization_config"):
-        problems.append("quantization_config (a quantized checkpoint; jdp reads float weights: give the original)")
-    if H and G and H % G:
-        problems.append(f"num_key_value_heads {G} does not divide num_attention_heads {H}")
-    positions = get("max_position_embeddings")
-    problems += _sliding_window_problems(hf, model_type, positions)
-    rope, rope_problems = _rope_fields(hf, defaults["rope_theta"])
-    fields = {
-        "arch": "llama",
-        "vocab_size": get("vocab_size"),
-        "max_seq_len": positions,
-        "d_model": D,
-        "n_layers": get("num_hidden_layers"),
-        "n_heads": H,
-        "n_kv_heads": 0 if G == H else G,  # 0: as many as the query heads
-        "head_dim": 0 if H and K * H == D else K,  # 0: d_model / n_heads
-        "d_ff": get("intermediate_size"),
-        "norm_eps": float(get("rms_norm_eps")),
-        "qkv_bias": model_type == "qwen2",  # Qwen2's q/k/v projections always have biases, its o_proj never
-        "tie_embeddings": bool(get("tie_word_embeddings")),
-        "bias": False,
-        **rope,
-    }
-    return fields, problems + rope_problems
-
-
-def _llama_config(m: ModelConfig) -> dict:
-    """The keys transformers v4 and v5 both read: RoPE as v4's rope_theta + rope_scaling and as v5's
-    rope_parameters, the same values."""
-    scaling = None
-    if m.rope_scaling == "llama3":
-        scaling = {"rope_type": "llama3", **{theirs: getattr(m, ours) for theirs, ours in _LLAMA3_KEYS.items()}}
-    return {
-        "hidden_size": m.d_model,
-        "intermediate_size": models.ff_width(m),
-        "num_hidden_layers": m.n_layers,
-        "num_attention_heads": m.n_heads,
-        "num_key_value_heads": m.kv_heads,
-        "head_dim": m.head_width,
-        "max_position_embeddings": m.max_seq_len,
-        "rms_norm_eps": m.norm_eps,
-        "hidden_act": "silu",
-        "tie_word_embeddings": m.tie_embeddings,
-        "rope_theta": m.rope_theta,
-        "rope_scaling": scaling,
-        "rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": m.rope_theta},
-        "attention_dropout": 0.0,  # jdp trains without dropout
-        "mlp_bias": False,
-    }
-
-
-def _llama(model_type: str, class_name: str, biases: bool, config: Callable[[ModelConfig], dict]) -> Architecture:
-    attn = {f"self_attn.{x}_proj.weight": ("attn", x, "kernel") for x in "qkvo"}
-    if biases:
-        attn |= {f"self_attn.{x}_proj.bias": ("attn", x, "bias") for x in "qkv"}
-    mlp = {f"mlp.{x}_proj.weight": ("mlp", x, "kernel") for x in ("gate", "up", "down")}
-    block = {"input_layernorm.weight": ("attn_norm", "scale"), **attn,
-             "post_attention_layernorm.weight": ("mlp_norm", "scale"), **mlp}  # fmt: skip
-    return Architecture(
-        model_type=model_type,
-        class_name=class_name,
-        family="llama",
-        prefix="model.",
-        top={
-            "embed_tokens.weight": ("embed", "embedding"),
-            "norm.weight": ("norm", "scale"),
-            "lm_head.weight": ("lm_head", "kernel"),
-        },
-        block=block,
-        blocks="layers",
-        buffers=re.compile(r"layers\.\d+\.self_attn\.rotary_emb\.inv_freq$"),
-        embedding="embed_tokens.weight",
-        tied_output="lm_head.weight",
-        transposed=frozenset([*(k for k in block if k.endswith("_proj.weight")), "lm_head.weight"]),  # nn.Linear
-        bias_key="qkv_bias" if biases else "",
-        fields=_llama_fields,
-        hf_config=config,
-    )
-
-
-LLAMA = _llama("llama", "LlamaForCausalLM", False, lambda m: {**_llama_config(m), "attention_bias": False})
-# Qwen2: no layer has a window (max_window_layers: the layers from this one on would, with use_sliding_window)
-QWEN2 = _llama("qwen2", "Qwen2ForCausalLM", True,
-               lambda m: {**_llama_config(m), "use_sliding_window": False, "sliding_window": None,
-                          "max_window_layers": m.n_layers, "layer_types": ["full_attention"] * m.n_layers})  # fmt: skip
-MISTRAL = _llama("mistral", "MistralForCausalLM", False, lambda m: {**_llama_config(m), "sliding_window": None})
-ARCHITECTURES = {a.model_type: a for a in (GPT2, LLAMA, QWEN2, MISTRAL)}
+def architectures() -> dict:
+    """model_type -> Architecture, of every model family (jdp/models/: each declares its own)."""
+    return models.hf_architectures()
 
 
 def is_hf_dir(path: str | Path) -> bool:
@@ -404,11 +106,12 @@ def read_config(path: str | Path) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{p / CONFIG}: not valid JSON ({e})") from e
     where = p / CONFIG
-    if not isinstance(hf, dict) or hf.get("model_type") not in ARCHITECTURES:
+    known = architectures()
+    if not isinstance(hf, dict) or hf.get("model_type") not in known:
         model_type = hf.get("model_type") if isinstance(hf, dict) else None
-        known = ", ".join(f"{a.model_type} ({a.class_name})" for a in ARCHITECTURES.values())
-        raise ConfigError(f"{where}: model_type {model_type!r}; jdp imports {known}")
-    _, problems = ARCHITECTURES[hf["model_type"]].fields(hf)
+        kinds = ", ".join(f"{a.model_type} ({a.class_name})" for a in known.values())
+        raise ConfigError(f"{where}: model_type {model_type!r}; jdp imports {kinds}")
+    _, problems = known[hf["model_type"]].fields(hf)
     if problems:
         raise ConfigError(
             f"{where}: this {hf['model_type']} model differs from what jdp computes: " + "; ".join(problems)
@@ -418,7 +121,7 @@ def read_config(path: str | Path) -> dict:
 
 def architecture(hf: dict) -> Architecture:
     """The architecture of a config.json that read_config accepted."""
-    return ARCHITECTURES[hf["model_type"]]
+    return architectures()[hf["model_type"]]
 
 
 def model_fields(hf: dict) -> dict:
@@ -547,7 +250,7 @@ class Weights:
     weights twice: the mapped pages and the copy). bfloat16, the dtype of most published checkpoints, is read as
     ml_dtypes' bfloat16, which numpy lacks."""
 
-    def __init__(self, path: str | Path, prefix: str = GPT2.prefix):
+    def __init__(self, path: str | Path, prefix: str = ""):
         p = Path(path)
         if (p / INDEX).is_file():
             try:
@@ -669,11 +372,11 @@ def _export_architecture(cfg) -> Architecture:
     """The architecture of the model's family: the one its bias switch asks for (Qwen2 when a Llama's q/k/v have
     biases), else the one the run was imported from, else the family's first (GPT-2, Llama)."""
     m = cfg.model
-    ours = [a for a in ARCHITECTURES.values() if a.family == m.arch]
+    ours = list(models.hf_architectures(m.arch).values())
     if not ours:
         raise ConfigError(
             f"model.arch={m.arch}: no Hugging Face architecture reads into this family (jdp writes "
-            f"{', '.join(sorted({a.family for a in ARCHITECTURES.values()}))})"
+            f"{', '.join(sorted({a.family for a in architectures().values()}))})"
         )
     if biased := [a for a in ours if a.bias_key and getattr(m, a.bias_key)]:
         return biased[0]

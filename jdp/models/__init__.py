@@ -3,8 +3,9 @@
 A family module (gpt.py, llama.py, or one of a user's, registered with `register`) provides the `Family` protocol
 below: its name, the config keys it reads and its refusals, the model it builds, and the numbers the planner, the
 memory check and the MFU need (its MLP width, matmul parameters and activation bytes per block). Its model class
-also gives the KV-cache decoder its pieces (jdp/decode.py's `Decodable`). jdp/hf.py's name tables say which family
-each Hugging Face architecture reads into.
+also gives the KV-cache decoder its pieces (jdp/decode.py's `Decodable`), and the family declares the Hugging Face
+architectures that read into it (their name tables and config.json translation: hf_names.py), which jdp/hf.py
+reads and writes files by.
 
 This module imports no JAX (the `jdp` command starts without it): the built-in families are imported on first use.
 Adding a family is one module and one `register(module)` call, in jdp/ or outside it (tests/test_families.py
@@ -20,7 +21,7 @@ from typing import Any, Protocol
 from jdp.errors import ConfigError
 from jdp.models.config import SHARED_KEYS, ModelConfig
 
-__all__ = ["Family", "ff_width", "get", "make_model", "names", "problems", "register"]
+__all__ = ["Family", "ff_width", "get", "hf_architectures", "make_model", "names", "problems", "register"]
 
 _BUILTIN = {"gpt": "jdp.models.gpt", "llama": "jdp.models.llama"}  # imported on first use
 _REGISTERED: dict[str, Any] = {}
@@ -34,7 +35,8 @@ class Family(Protocol):
     TITLE: str  # how messages name it ("Llama")
     KEYS: tuple[str, ...]  # the ModelConfig keys it reads besides SHARED_KEYS; set, another family's are refused
     # optional: NAMED_REFUSALS, keys of other families that problems() refuses in its own words (the generic
-    # refusal skips them)
+    # refusal skips them); HF_ARCHITECTURES, the Hugging Face architectures (hf_names.Architecture: name tables,
+    # config.json in and out) that read into it, the first the one it exports as
 
     def problems(self, m: ModelConfig) -> list[str]:
         """What its keys get wrong together (each key's own range is the config's), each naming the key and the fix."""
@@ -83,6 +85,12 @@ def get(name: str) -> Family:
 def ff_width(m: ModelConfig) -> int:
     """The MLP's hidden width (F) of the model `m` describes."""
     return get(m.arch).ff_width(m)
+
+
+def hf_architectures(arch: str | None = None) -> dict[str, Any]:
+    """model_type -> the Hugging Face architecture (hf_names.Architecture) of family `arch`, or of every family."""
+    return {a.model_type: a for name in ([arch] if arch else names())
+            for a in getattr(get(name), "HF_ARCHITECTURES", ())}  # fmt: skip
 
 
 def problems(m: ModelConfig) -> list[str]:

@@ -9,6 +9,7 @@ F MLP width, V vocabulary, P positions (max_seq_len).
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ from flax import nnx
 from jdp.attention import attention
 from jdp.models.common import mask_padded_vocab, token_embedding
 from jdp.models.config import ModelConfig
+from jdp.models.hf_names import Architecture
 
 __all__ = ["GPT", "MLP", "Block", "CausalSelfAttention"]
 
@@ -165,3 +167,86 @@ class GPT(nnx.Module):
         """The tokens' embeddings plus their positions' (each row its own), N x D."""
         x_BxLxD = self.embed(tokens_BxL) + self.pos_embed[...][positions_BxL].astype(self.cfg.dtype)
         return x_BxLxD.reshape(-1, x_BxLxD.shape[-1])
+
+
+# ---- Hugging Face: GPT-2 is this family with biases (model.bias=true) -----------------------------------------------------------------------------------------------------
+
+_GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")  # jax.nn.gelu(approximate=True), one formula
+
+
+def _gpt2_fields(hf: dict) -> tuple[dict, list[str]]:
+    d = hf.get("n_embd", 768)
+    problems = []
+    if hf.get("activation_function", "gelu_new") not in _GELU_TANH:
+        problems.append(f"activation_function {hf['activation_function']!r} (jdp's MLP uses tanh GELU, gelu_new)")
+    if (n_inner := hf.get("n_inner")) is not None and n_inner % d:
+        problems.append(f"n_inner {n_inner} is not a multiple of n_embd {d}")
+    if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx", False):
+        problems.append("attention scaled other than by 1/sqrt(head width)")
+    if not hf.get("tie_word_embeddings", True):
+        problems.append("tie_word_embeddings false (jdp's output layer is the embedding)")
+    fields = {
+        "vocab_size": hf.get("vocab_size", 50257),
+        "max_seq_len": hf.get("n_positions", 1024),
+        "d_model": d,
+        "n_layers": hf.get("n_layer", 12),
+        "n_heads": hf.get("n_head", 12),
+        "mlp_ratio": (hf.get("n_inner") or 4 * d) // d,
+        "bias": True,
+        "arch": "gpt",
+        "norm_eps": hf.get("layer_norm_epsilon", 1e-5),
+    }
+    return fields, problems
+
+
+def _gpt2_config(m: ModelConfig) -> dict:
+    return {
+        "n_positions": m.max_seq_len,
+        "n_embd": m.d_model,
+        "n_layer": m.n_layers,
+        "n_head": m.n_heads,
+        "n_inner": m.mlp_ratio * m.d_model,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": m.norm_eps,
+        "resid_pdrop": 0.0,  # jdp trains without dropout
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "tie_word_embeddings": True,
+    }
+
+
+GPT2 = Architecture(
+    model_type="gpt2",
+    class_name="GPT2LMHeadModel",
+    family="gpt",
+    prefix="transformer.",
+    top={
+        "wte.weight": ("embed", "embedding"),
+        "wpe.weight": ("pos_embed",),
+        "ln_f.weight": ("norm", "scale"),
+        "ln_f.bias": ("norm", "bias"),
+    },
+    block={
+        "ln_1.weight": ("norm1", "scale"),
+        "ln_1.bias": ("norm1", "bias"),
+        "attn.c_attn.weight": ("attn", "qkv", "kernel"),
+        "attn.c_attn.bias": ("attn", "qkv", "bias"),
+        "attn.c_proj.weight": ("attn", "out", "kernel"),
+        "attn.c_proj.bias": ("attn", "out", "bias"),
+        "ln_2.weight": ("norm2", "scale"),
+        "ln_2.bias": ("norm2", "bias"),
+        "mlp.c_fc.weight": ("mlp", "up", "kernel"),
+        "mlp.c_fc.bias": ("mlp", "up", "bias"),
+        "mlp.c_proj.weight": ("mlp", "down", "kernel"),
+        "mlp.c_proj.bias": ("mlp", "down", "bias"),
+    },
+    blocks="h",
+    buffers=re.compile(r"h\.\d+\.attn\.(bias|masked_bias)$"),
+    embedding="wte.weight",
+    tied_output="lm_head.weight",
+    transposed=frozenset(),  # Conv1D stores [in, out], as Flax does
+    bias_key="bias",
+    fields=_gpt2_fields,
+    hf_config=_gpt2_config,
+)
+HF_ARCHITECTURES = (GPT2,)  # what jdp/hf.py imports into this family and exports it as

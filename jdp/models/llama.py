@@ -12,6 +12,8 @@ K head width, F MLP width, V vocabulary.
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,7 @@ from flax import nnx
 from jdp.attention import attention
 from jdp.models.common import mask_padded_vocab, token_embedding
 from jdp.models.config import ModelConfig
+from jdp.models.hf_names import Architecture
 
 __all__ = ["MLP", "Attention", "Block", "Llama", "RMSNorm", "rope", "rope_frequencies", "rope_tables"]
 
@@ -265,3 +268,177 @@ class Llama(nnx.Module):
         """The tokens' embeddings, N x D (the positions rotate q and k instead)."""
         x_BxLxD = self.embed(tokens_BxL)
         return x_BxLxD.reshape(-1, x_BxLxD.shape[-1])
+
+
+# ---- Hugging Face: Llama, Qwen2 and Mistral read into this family ------------------------------------------------------------------------------------------
+
+# config.json's defaults where a key is missing: the transformers classes' (LlamaConfig, Qwen2Config, MistralConfig)
+_LLAMA_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+                   "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False}  # fmt: skip
+_DEFAULTS = {
+    "llama": _LLAMA_DEFAULTS,
+    "qwen2": {**_LLAMA_DEFAULTS, "vocab_size": 151936, "intermediate_size": 22016, "max_position_embeddings": 32768},
+    "mistral": {**_LLAMA_DEFAULTS, "intermediate_size": 14336, "num_key_value_heads": 8,
+                "max_position_embeddings": 131072, "sliding_window": 4096},
+}  # fmt: skip
+# llama3 RoPE scaling's keys in config.json -> jdp's
+_LLAMA3_KEYS = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
+                "high_freq_factor": "rope_high_freq_factor", "original_max_position_embeddings": "rope_original_max_len"}  # fmt: skip
+
+
+def _rope_fields(hf: dict, default_theta: float) -> tuple[dict, list[str]]:
+    """RoPE's fields from transformers v4's `rope_theta` + `rope_scaling` or v5's `rope_parameters` (or both, agreeing)."""
+    legacy, params, theta = hf.get("rope_scaling"), hf.get("rope_parameters"), hf.get("rope_theta")
+    problems = []
+    for key, value in (("rope_scaling", legacy), ("rope_parameters", params)):
+        if value is not None and not isinstance(value, dict):
+            return {}, [f"{key} {value!r} (expected a mapping, e.g. {{'rope_type': 'llama3', ...}})"]
+    if params and params.get("rope_theta") is not None:
+        if theta is not None and theta != params["rope_theta"]:
+            problems.append(f"rope_theta {theta} and rope_parameters.rope_theta {params['rope_theta']} disagree")
+        theta = params["rope_theta"]
+    fields = {"rope_theta": float(default_theta if theta is None else theta), "rope_scaling": ""}
+    kinds = {}
+    for key, value in (("rope_scaling", legacy), ("rope_parameters", params)):
+        if value:
+            kinds[key] = value.get("rope_type", value.get("type", "default"))
+    if len(set(kinds.values())) > 1:
+        problems.append(f"rope_scaling type {kinds['rope_scaling']!r} and rope_parameters type "
+                        f"{kinds['rope_parameters']!r} disagree")  # fmt: skip
+        return fields, problems
+    key, kind = next(iter(kinds.items()), ("rope_scaling", "default"))
+    scaling = legacy or params
+    if kind == "llama3":
+        fields["rope_scaling"] = "llama3"
+        for theirs, ours in _LLAMA3_KEYS.items():
+            if scaling.get(theirs) is None:
+                problems.append(f"{key}.{theirs} missing (llama3 RoPE scaling needs it)")
+            else:
+                fields[ours] = type(getattr(ModelConfig(), ours))(scaling[theirs])
+    elif kind != "default":
+        problems.append(f"{key} type {kind!r} (jdp computes plain RoPE and llama3 scaling; not linear, dynamic, "
+                        f"yarn, longrope or others)")  # fmt: skip
+    if (partial := (scaling or {}).get("partial_rotary_factor", 1.0)) != 1.0:
+        problems.append(f"{key}.partial_rotary_factor {partial} (jdp rotates every dimension of a head)")
+    return fields, problems
+
+
+def _sliding_window_problems(hf: dict, model_type: str, positions: int) -> list[str]:
+    """Sliding-window attention is refused: jdp attends to every earlier position (a window at least as long as
+    the model's positions is no window)."""
+    problems = []
+    if model_type == "qwen2" and hf.get("use_sliding_window"):
+        problems.append("use_sliding_window true (sliding-window attention; jdp attends to every earlier position)")
+    if model_type == "mistral":
+        window = hf.get("sliding_window", _DEFAULTS["mistral"]["sliding_window"])
+        if window is not None and window < positions:
+            problems.append(
+                f"sliding_window {window} (shorter than max_position_embeddings {positions}: sliding-window "
+                f"attention, which jdp does not compute; Mistral v0.2 and later have none)"
+            )
+    if any(kind != "full_attention" for kind in hf.get("layer_types") or []):
+        problems.append(f"layer_types {sorted(set(hf['layer_types']))} (jdp computes full_attention only)")
+    return problems
+
+
+def _llama_fields(hf: dict) -> tuple[dict, list[str]]:
+    model_type = hf["model_type"]
+    defaults = _DEFAULTS[model_type]
+    get = lambda key: hf[key] if hf.get(key) is not None else defaults.get(key)  # noqa: E731  (null: the default)
+    D, H = get("hidden_size"), get("num_attention_heads")
+    G, K = get("num_key_value_heads") or H, get("head_dim") or (D // H if H else 0)
+    problems = []
+    if (act := get("hidden_act")) not in ("silu", "swish"):
+        problems.append(f"hidden_act {act!r} (jdp's SwiGLU MLP uses silu)")
+    if model_type != "qwen2" and hf.get("attention_bias"):
+        problems.append("attention_bias true (biases on q, k, v and o_proj; jdp has q/k/v biases only, as Qwen2)")
+    if hf.get("mlp_bias"):
+        problems.append("mlp_bias true (jdp's MLP has no biases)")
+    if hf.get("quantization_config"):
+        problems.append("quantization_config (a quantized checkpoint; jdp reads float weights: give the original)")
+    if H and G and H % G:
+        problems.append(f"num_key_value_heads {G} does not divide num_attention_heads {H}")
+    positions = get("max_position_embeddings")
+    problems += _sliding_window_problems(hf, model_type, positions)
+    rope, rope_problems = _rope_fields(hf, defaults["rope_theta"])
+    fields = {
+        "arch": "llama",
+        "vocab_size": get("vocab_size"),
+        "max_seq_len": positions,
+        "d_model": D,
+        "n_layers": get("num_hidden_layers"),
+        "n_heads": H,
+        "n_kv_heads": 0 if G == H else G,  # 0: as many as the query heads
+        "head_dim": 0 if H and K * H == D else K,  # 0: d_model / n_heads
+        "d_ff": get("intermediate_size"),
+        "norm_eps": float(get("rms_norm_eps")),
+        "qkv_bias": model_type == "qwen2",  # Qwen2's q/k/v projections always have biases, its o_proj never
+        "tie_embeddings": bool(get("tie_word_embeddings")),
+        "bias": False,
+        **rope,
+    }
+    return fields, problems + rope_problems
+
+
+def _llama_config(m: ModelConfig) -> dict:
+    """The keys transformers v4 and v5 both read: RoPE as v4's rope_theta + rope_scaling and as v5's
+    rope_parameters, the same values."""
+    scaling = None
+    if m.rope_scaling == "llama3":
+        scaling = {"rope_type": "llama3", **{theirs: getattr(m, ours) for theirs, ours in _LLAMA3_KEYS.items()}}
+    return {
+        "hidden_size": m.d_model,
+        "intermediate_size": ff_width(m),
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "num_key_value_heads": m.kv_heads,
+        "head_dim": m.head_width,
+        "max_position_embeddings": m.max_seq_len,
+        "rms_norm_eps": m.norm_eps,
+        "hidden_act": "silu",
+        "tie_word_embeddings": m.tie_embeddings,
+        "rope_theta": m.rope_theta,
+        "rope_scaling": scaling,
+        "rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": m.rope_theta},
+        "attention_dropout": 0.0,  # jdp trains without dropout
+        "mlp_bias": False,
+    }
+
+
+def _llama(model_type: str, class_name: str, biases: bool, config: Callable[[ModelConfig], dict]) -> Architecture:
+    attn = {f"self_attn.{x}_proj.weight": ("attn", x, "kernel") for x in "qkvo"}
+    if biases:
+        attn |= {f"self_attn.{x}_proj.bias": ("attn", x, "bias") for x in "qkv"}
+    mlp = {f"mlp.{x}_proj.weight": ("mlp", x, "kernel") for x in ("gate", "up", "down")}
+    block = {"input_layernorm.weight": ("attn_norm", "scale"), **attn,
+             "post_attention_layernorm.weight": ("mlp_norm", "scale"), **mlp}  # fmt: skip
+    return Architecture(
+        model_type=model_type,
+        class_name=class_name,
+        family="llama",
+        prefix="model.",
+        top={
+            "embed_tokens.weight": ("embed", "embedding"),
+            "norm.weight": ("norm", "scale"),
+            "lm_head.weight": ("lm_head", "kernel"),
+        },
+        block=block,
+        blocks="layers",
+        buffers=re.compile(r"layers\.\d+\.self_attn\.rotary_emb\.inv_freq$"),
+        embedding="embed_tokens.weight",
+        tied_output="lm_head.weight",
+        transposed=frozenset([*(k for k in block if k.endswith("_proj.weight")), "lm_head.weight"]),  # nn.Linear
+        bias_key="qkv_bias" if biases else "",
+        fields=_llama_fields,
+        hf_config=config,
+    )
+
+
+LLAMA = _llama("llama", "LlamaForCausalLM", False, lambda m: {**_llama_config(m), "attention_bias": False})
+# Qwen2: no layer has a window (max_window_layers: the layers from this one on would, with use_sliding_window)
+QWEN2 = _llama("qwen2", "Qwen2ForCausalLM", True,
+               lambda m: {**_llama_config(m), "use_sliding_window": False, "sliding_window": None,
+                          "max_window_layers": m.n_layers, "layer_types": ["full_attention"] * m.n_layers})  # fmt: skip
+MISTRAL = _llama("mistral", "MistralForCausalLM", False, lambda m: {**_llama_config(m), "sliding_window": None})
+HF_ARCHITECTURES = (LLAMA, QWEN2, MISTRAL)  # what jdp/hf.py imports into this family; the first exports
