@@ -15,10 +15,10 @@ from flax import nnx
 
 from jdp import parallel
 from jdp.config import Config, ParallelConfig
-from jdp.hooks import CommHook, PowerSGD
 from jdp.models import make_model
 from jdp.models.common import count_params, lm_loss
 from jdp.optim import make_optimizer
+from jdp.parallel.comm_hooks import CommHook, PowerSGD
 
 
 class Built(NamedTuple):
@@ -40,11 +40,8 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, model: nnx.Module | None = None)
     optimizer, schedule = make_optimizer(cfg.optim, cfg.train.steps)
     p = cfg.parallel
     hook = comm_hook(p, cfg.train.seed)
-    graphdef, state = parallel.init_state(model, optimizer, mesh, p.strategy, hook)
-    train_step = parallel.configured_train_step(
-        graphdef, lm_loss, optimizer, mesh, p, cfg.train.grad_accum, schedule, hook
-    )
-    return Built(graphdef, state, train_step, n_params, optimizer, hook)
+    a = parallel.assemble(model, lm_loss, optimizer, mesh, p, cfg.train.grad_accum, schedule, hook)
+    return Built(a.graphdef, a.state, a.train_step, n_params, optimizer, hook)
 
 
 def comm_hook(p: ParallelConfig, seed: int = 0) -> CommHook | None:

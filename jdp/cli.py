@@ -68,7 +68,7 @@ def _train(args: argparse.Namespace) -> int:
     watch_launcher()  # a worker of `jdp launch` never outlives it
     config, overrides = split_config_args(args.args)
     cfg = load_config(config, overrides)
-    from jdp import strategies
+    from jdp.parallel import strategies
 
     strategies.get(cfg.parallel.strategy).set_xla_flags(cfg.parallel.bucket_mb)  # before JAX touches a device
     keep_scratch_memory()
@@ -105,7 +105,7 @@ def _allreduce(args: argparse.Namespace) -> int:
 
     config, overrides = split_config_args(args.args)
     cfg = load_config(config, overrides)
-    from jdp import strategies
+    from jdp.parallel import strategies
 
     strategies.get(cfg.parallel.strategy).set_xla_flags(cfg.parallel.bucket_mb)
     text, numbers = (compression_report if cfg.parallel.compression != "none" else all_reduce_report)(cfg)

@@ -13,10 +13,11 @@ from typing import Any
 
 import yaml
 
-from jdp import models, strategies
+from jdp import models
 from jdp.data import formats
 from jdp.errors import ConfigError
 from jdp.models.config import ModelConfig
+from jdp.parallel import strategies
 from jdp.rundir import RunDir
 
 __all__ = [
@@ -142,7 +143,7 @@ class ParallelConfig:
     shard_size: int = 0
     bucket_mb: float = 25.0  # gradient all-reduce bucket size in MiB (DDP's bucket_cap_mb); 0: one bucket
     reduce_dtype: str = "float32"  # dtype gradients travel in; bfloat16 halves the bytes (DDP's bf16 hook)
-    # none: every bucket all-reduced whole; powersgd: gradient matrices sent as rank-r factors (ddp only; hooks.py)
+    # none: every bucket all-reduced whole; powersgd: gradient matrices sent as rank-r factors (ddp only; parallel/comm_hooks.py)
     compression: str = "none"
     powersgd_rank: int = 4  # r: an m x n gradient travels as r(m + n) numbers instead of mn
     powersgd_warmup: int = 100  # plain all-reduce for the first steps (PyTorch: start_powerSGD_iter)

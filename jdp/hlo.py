@@ -8,11 +8,12 @@ from dataclasses import dataclass
 
 import jax
 
-from jdp import parallel, strategies
-from jdp.buckets import bucket_plan
+from jdp import parallel
 from jdp.build import batch_spec, build
 from jdp.config import Config, ConfigError, validate
 from jdp.models.common import lm_loss
+from jdp.parallel import strategies
+from jdp.parallel.buckets import bucket_plan
 
 __all__ = [
     "KINDS",
@@ -180,7 +181,7 @@ def all_reduce_report(cfg: Config) -> tuple[str, dict]:
 def _planned_collectives(s: strategies.Strategy, graphdef, state, micro, p, pad: int):
     """(the gradients' buckets, their padded elements, (what the parameters' all-gathers carry, their elements)):
     jdp's buckets for ddp and zero1 (zero1 gathers the same buckets); for fsdp and hsdp their units (a
-    reduce-scatter per unit, an all-gather per unit and use: strategies/fsdp.py's report_units)."""
+    reduce-scatter per unit, an all-gather per unit and use: parallel/strategies/fsdp.py's report_units)."""
     if hasattr(s.steps(), "report_units"):
         scatters, gathers = s.steps().report_units(graphdef, state, **s.options_of(p))
         return scatters, [u.elements for u in scatters], (gathers, [u.elements for u in gathers])

@@ -17,8 +17,9 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jdp import plan, strategies
+from jdp import plan
 from jdp.config import Config, ConfigError, Derived
+from jdp.parallel import strategies
 
 __all__ = [
     "LARGER_FRACTION",

@@ -4,7 +4,7 @@ nnx.Dropout draws one mask for the rows a device holds, from a stream jdp's step
 device): correct, but 4 devices and 1 device draw different masks for the same example, so they train differently.
 RowDropout draws each example's mask from (its key, the step, the example's global row in the global batch): the
 same example gets the same mask on any number of devices and any grad_accum, so N devices = 1 device holds with
-dropout on. The model never sees a mesh: jdp's step fills in the rows and the step (parallel.py).
+dropout on. The model never sees a mesh: jdp's step fills in the rows and the step (jdp/parallel/).
 """
 
 from __future__ import annotations

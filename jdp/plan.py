@@ -4,7 +4,7 @@ Nothing is run or allocated: the parameter, gradient and optimizer-state bytes a
 `nnx.eval_shape` and `jax.eval_shape(optimizer.init)` give; the activations are an estimate, checked against
 the compiled step's `memory_analysis` in tests/test_plan.py; time comes from FLOPs, a peak and bandwidths.
 
-What a strategy costs is its module's to say (jdp/costs.py's terms): `state_bytes`, what one device holds, and
+What a strategy costs is its module's to say (jdp/parallel/costs.py's terms): `state_bytes`, what one device holds, and
 `traffic`, the collectives of one step (their kind and bytes per bucket, which compute can hide them). The model of
 a step, the same for every strategy (weak scaling: every device keeps the config's per-device batch, so the global
 batch grows with N):
@@ -36,19 +36,20 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jdp import models, strategies
+from jdp import models
 from jdp.attention import attention_scores
-from jdp.buckets import bucket_plan
 from jdp.build import comm_hook
 from jdp.config import Config, ConfigError, load_config, split_config_args, validate
-from jdp.costs import WINDOWS, Buckets, Collectives, Memory, Traffic, ring_s, tree_bytes
 from jdp.hardware import DEFAULT_MFU, INTERCONNECTS, gpu_spec, link_for
 from jdp.metrics import flops_per_token, read_metrics
 from jdp.models import make_model
 from jdp.models.common import lm_loss
 from jdp.optim import make_optimizer
+from jdp.parallel import strategies
+from jdp.parallel.buckets import bucket_plan
+from jdp.parallel.costs import WINDOWS, Buckets, Collectives, Memory, Traffic, ring_s, tree_bytes
+from jdp.parallel.step import param_names
 from jdp.rundir import RunDir
-from jdp.step import param_names
 
 __all__ = [
     "COMPUTE_BOUND",

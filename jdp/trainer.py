@@ -23,7 +23,7 @@ import yaml
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jdp import jax_private, parallel, strategies
+from jdp import jax_private, parallel
 from jdp.callbacks import Callback, Checkpoint, Evaluate, ReplicaCheck, imported
 from jdp.checkpoint import (
     Checkpoints,
@@ -39,7 +39,6 @@ from jdp.config import Config, ConfigError, Derived, save_config, validate
 from jdp.coordination import PeerMonitor, announce_departure, describe_hosts, first_departure, publish_host
 from jdp.data.corpus import cache_root
 from jdp.data.dataset import Source, source_for
-from jdp.hooks import CommHook
 from jdp.join import initialize
 from jdp.log import PLAIN, logger, set_rank
 from jdp.loop import Loop, Phases, Result, Run
@@ -55,6 +54,8 @@ from jdp.metrics import (
     step_ranges,
     supersede,
 )
+from jdp.parallel import strategies
+from jdp.parallel.comm_hooks import CommHook
 from jdp.process import watch_launcher
 from jdp.rundir import RunDir, RunDirEscape, RunDirInUse, RunLock
 from jdp.world import World, WorldError, resolve_world
@@ -333,21 +334,10 @@ def apply_xla_options(cfg: Config) -> None:
 
 
 def build_steps(model, loss_fn, optimizer, mesh, cfg: Config, schedule=None, comm_hook=None, factory=None) -> Steps:
-    """The model's state on `mesh` as parallel.strategy keeps it, the jitted train step, and an eval step that
-    runs the model in evaluation mode (`model.eval()`: dropout off, BatchNorm's running statistics). With
-    `factory` (what makes the model; `model` is then its shapes) the state is made by parallel.init_state_from."""
-    p = cfg.parallel
-    model.eval()
-    eval_graphdef = nnx.graphdef(model)
-    model.train()
-    if factory is not None:
-        graphdef, state = parallel.init_state_from(factory, optimizer, mesh, p.strategy, comm_hook)
-    else:
-        graphdef, state = parallel.init_state(model, optimizer, mesh, p.strategy, comm_hook)
-    train_step = parallel.configured_train_step(graphdef, loss_fn, optimizer, mesh, p, cfg.train.grad_accum, schedule,
-                                                comm_hook)  # fmt: skip
-    eval_step = parallel.make_strategy_eval_step(eval_graphdef, loss_fn, mesh, p.strategy)
-    return Steps(graphdef, state, train_step, eval_step, optimizer, mesh, p.strategy, comm_hook)
+    """parallel.assemble's state and steps, with what the trainer's checkpoints need of them."""
+    a = parallel.assemble(model, loss_fn, optimizer, mesh, cfg.parallel, cfg.train.grad_accum, schedule, comm_hook,
+                          factory)  # fmt: skip
+    return Steps(a.graphdef, a.state, a.train_step, a.eval_step, optimizer, mesh, cfg.parallel.strategy, comm_hook)
 
 
 def hold(lock: RunLock, run_dir: RunDir, cfg: Config) -> int | None:

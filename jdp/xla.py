@@ -16,7 +16,7 @@ log = logger("jdp.xla")
 
 def collective_flags(bucket_mb: float, combine_cpu_all_reduces: bool = False) -> dict[str, str]:
     """The XLA options jdp wants for its gradient collectives (see set_xla_flags). combine_cpu_all_reduces: the
-    strategy's all-reduces are scalars only (zero1), so XLA:CPU may merge them (strategies/__init__.py)."""
+    strategy's all-reduces are scalars only (zero1), so XLA:CPU may merge them (parallel/strategies/__init__.py)."""
     threshold = int(bucket_mb * 2**20) if bucket_mb > 0 else 2**40
     flags = {
         # GPUs: collectives already run asynchronously by default in this XLA; the latency-hiding scheduler

@@ -62,7 +62,7 @@ def _setup(config: str, overrides: list[str]):
     from jdp.config import load_config
 
     cfg = load_config(config, ["train.run_dir=/dev/null", "train.progress=false", *overrides])
-    from jdp import strategies
+    from jdp.parallel import strategies
 
     strategies.get(cfg.parallel.strategy).set_xla_flags(cfg.parallel.bucket_mb)  # as `jdp train`, before jax starts
     os.environ["JDP_BENCH_KEPT_SCRATCH"] = str(xla.keep_scratch_memory())

@@ -291,10 +291,11 @@ def child_profile(p: Profile, work: Path) -> dict:
     import jax
     import numpy as np
 
-    from jdp import parallel, strategies
+    from jdp import parallel
     from jdp.build import build
     from jdp.config import load_config
     from jdp.memory import peak_device_bytes
+    from jdp.parallel import strategies
     from jdp.xla import use_compilation_cache
 
     t = p.trains[0]

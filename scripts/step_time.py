@@ -24,7 +24,7 @@ def main() -> None:
     a = ap.parse_args()
     config, overrides = split_config_args(a.args)
     cfg = load_config(config, ["train.run_dir=/dev/null", *overrides])
-    from jdp import strategies
+    from jdp.parallel import strategies
 
     strategies.get(cfg.parallel.strategy).set_xla_flags(cfg.parallel.bucket_mb)
     xla.keep_scratch_memory()

@@ -447,8 +447,8 @@ def test_an_hf_import_under_fsdp_places_each_devices_rows_straight_from_the_host
 
 
 def test_accumulating_unsharded_plans_whole_gradients_and_one_scatter_a_step():
-    from jdp.costs import Buckets
-    from jdp.strategies import fsdp, hsdp
+    from jdp.parallel.costs import Buckets
+    from jdp.parallel.strategies import fsdp, hsdp
 
     params = {"w": jax.ShapeDtypeStruct((10, 8), jnp.float32), "b": jax.ShapeDtypeStruct((6,), jnp.float32)}
     whole, rows = 4 * (80 + 6), 4 * (12 * 8 + 8) // 4  # bytes: every gradient whole; one device's padded rows

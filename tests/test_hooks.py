@@ -20,9 +20,9 @@ from test_zero1 import CFG, make_batch, optimizer
 from jdp import parallel
 from jdp.config import ConfigError, load_config, validate
 from jdp.hlo import collectives, compiled_text
-from jdp.hooks import GradBucket, Mean, PowerSGD
 from jdp.models.common import lm_loss
 from jdp.models.gpt import GPT
+from jdp.parallel.comm_hooks import GradBucket, Mean, PowerSGD
 
 
 def setup(n_devices, hook, bucket_mb=0.005):

@@ -14,8 +14,8 @@ from flax import nnx
 from test_parallel import params_close, rel_diff
 
 from jdp import parallel
-from jdp.hooks import Mean
 from jdp.nn import RowDropout
+from jdp.parallel.comm_hooks import Mean
 
 # A global batch of 16 rows: 4 per device on 4 devices, 2 per micro-batch with grad_accum=2.
 ROWS, FEATURES, CLASSES = 16, 12, 3

@@ -17,13 +17,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jdp import costs, hardware, memory, parallel, plan, strategies
+from jdp import hardware, memory, parallel, plan
 from jdp.build import batch_spec, build
 from jdp.cli import plan_arguments
 from jdp.config import ConfigError, load_config, save_config, validate
 from jdp.models.common import lm_loss
 from jdp.models.gpt import GPT
 from jdp.optim import make_optimizer
+from jdp.parallel import costs, strategies
 
 TINY = ["train.batch_size=8"]
 

@@ -1,6 +1,6 @@
 """The package's shape (README, How it is built): modules import downwards only (a registry's imports by name
-included), collectives live in the step's modules (mesh.py, step.py, strategies/), strategy names are compared only
-in the strategy registry, model families are asked, never branched on, outside jdp/models/, fault injection
+included), collectives live in the step's modules (parallel/: mesh.py, step.py, strategies/), strategy names are
+compared only in the strategy registry and layouts told apart only in jdp/parallel/, model families are asked, never branched on, outside jdp/models/, fault injection
 lives in faults.py, no function outgrows a screen, and the command line starts without JAX."""
 
 import ast
@@ -12,13 +12,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 JDP = ROOT / "jdp"
-# "trainer", "strategies" (its __init__), "strategies.ddp": every module but jdp/__init__.py
+# "trainer", "parallel.strategies" (its __init__), "parallel.strategies.ddp": every module but jdp/__init__.py
 MODULES = {
     ".".join(p.relative_to(JDP).with_suffix("").parts).removesuffix(".__init__"): p
     for p in JDP.rglob("*.py")
     if p != JDP / "__init__.py"
 }
-STEP_MODULES = {"mesh", "step"} | {name for name in MODULES if name.startswith("strategies")}
+STEP_MODULES = {"parallel.mesh", "parallel.step"} | {name for name in MODULES if name.startswith("parallel.strategies")}
+
+
+def inside(package: str, name: str) -> bool:
+    """Whether module `name` ("parallel.strategies.ddp") is `package` ("parallel") or in it."""
+    return name == package or name.startswith(package + ".")
 
 
 def imports(path: Path) -> set[str]:
@@ -27,7 +32,7 @@ def imports(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("jdp"):
             package = node.module.removeprefix("jdp").removeprefix(".")
-            prefix = package + "." if package else ""  # from jdp import parallel; from jdp.strategies import ddp
+            prefix = package + "." if package else ""  # from jdp import parallel; from jdp.parallel.strategies import ddp
             submodules = {prefix + a.name for a in node.names if prefix + a.name in MODULES}
             found |= submodules
             if package and len(submodules) < len(node.names):  # names from the module itself
@@ -94,15 +99,15 @@ def test_modules_import_only_modules_above_them_in_the_readme_table():
 
 
 def test_collectives_and_axis_names_live_in_the_step_modules_only():
-    """mesh.py owns the mesh and its axis, step.py and the strategies the collectives of the step (parallel.py only
-    dispatches to them); a communication hook (hooks.py) reduces one bucket with collectives over the axis it is
-    handed (GradBucket.axis), and places nothing itself."""
+    """parallel/mesh.py owns the mesh and its axis, parallel/step.py and the strategies the collectives of the step
+    (parallelize.py only dispatches to them); a communication hook (comm_hooks.py) reduces one bucket with
+    collectives over the axis it is handed (GradBucket.axis), and places nothing itself."""
     collectives = ("psum", "psum_scatter", "pmean", "all_gather", "pcast", "pvary")
     placement = ("shard_map", "PartitionSpec", "NamedSharding", "Mesh", "AXIS")
-    allowed = {"parallel": {"AXIS"}}  # parallel.py re-exports mesh.py's axis name for library users
+    allowed = {"parallel": {"AXIS"}}  # jdp.parallel loads mesh.py's axis name for library users
 
     def words(name: str) -> tuple[str, ...]:
-        return placement + ('"data"', "'data'") if name == "hooks" else collectives + placement
+        return placement + ('"data"', "'data'") if name == "parallel.comm_hooks" else collectives + placement
 
     offenders = {
         name: [w for w in words(name) if w not in allowed.get(name, ())
@@ -111,16 +116,16 @@ def test_collectives_and_axis_names_live_in_the_step_modules_only():
         if name not in STEP_MODULES
     }  # fmt: skip
     assert not {k: v for k, v in offenders.items() if v}, offenders
-    hooks = MODULES["hooks"].read_text()
+    hooks = MODULES["parallel.comm_hooks"].read_text()
     assert "bucket.axis" in hooks and "pmean" in hooks  # the rule above checks something
 
 
 def test_strategy_names_are_compared_only_in_the_strategy_registry():
-    """Everything jdp asks about a strategy is an attribute of its registry entry (strategies/__init__.py) or a
+    """Everything jdp asks about a strategy is an attribute of its registry entry (parallel/strategies/__init__.py) or a
     function of its module: adding a strategy is one module and one entry, never an `if strategy == ...` elsewhere."""
     names = "|".join(("ddp", "zero1", "dp", "fsdp", "hsdp"))
     compared = re.compile(rf"""(==|!=|\bin\b)\s*[(\[{{]?\s*["']({names})["']|["']({names})["']\s*(==|!=|\bin\b)""")
-    offenders = lines_matching(compared, [name for name in MODULES if not name.startswith("strategies")])
+    offenders = lines_matching(compared, [name for name in MODULES if not inside("parallel.strategies", name)])
     assert offenders == [], offenders
     assert compared.search('if strategy == "zero1":') and compared.search("elif 'dp' in names")  # it finds them
 
@@ -156,12 +161,12 @@ def test_jax_private_api_is_used_in_one_module():
     assert users == ["jax_private"], users
 
 
-def test_a_layout_is_asked_never_told_apart_outside_the_strategies():
+def test_a_layout_is_asked_never_told_apart_outside_the_parallel_package():
     """A strategy's optimizer layout (step.OptLayout, zero1's Slices, fsdp's Rows) views, places, checks and counts
-    itself; outside the strategies and step.py nothing asks which kind it holds (only what it can do:
-    splits_parameters, reads_into) and checkpoint.py reads its own record."""
+    itself; outside jdp/parallel/ nothing asks which kind it holds (only what it can do: splits_parameters,
+    reads_into) and checkpoint.py reads its own record."""
     told_apart = re.compile(r"\.rows\b(?!\()|\.of_record\(|\brows=(True|False)|\b(Slices|Rows)\(|\bOptLayout\(\w")
-    outside = [name for name in MODULES if not name.startswith("strategies") and name != "step"]
+    outside = [name for name in MODULES if not inside("parallel", name)]
     offenders = lines_matching(told_apart, outside, also=lambda line: "layout" in line.lower())
     assert offenders == [], offenders
     for bad in ("if layout.rows:", "OptLayout(n, rows=True)", "saved = OptLayout.of_record(record)", "layout = Rows(4)"):
@@ -218,4 +223,4 @@ def test_library_names_load_on_first_use():
         timeout=120,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["jdp.parallel", "jdp.parallel"]
+    assert out.stdout.split() == ["jdp.parallel.parallelize", "jdp.parallel"]

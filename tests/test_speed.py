@@ -11,14 +11,15 @@ import pytest
 from flax import nnx
 from test_parallel import CFG, make_batch, params_close, rel_diff
 
-from jdp import parallel, strategies
-from jdp.buckets import bucket_plan
+from jdp import parallel
 from jdp.build import build as build_from_config
 from jdp.config import OptimConfig, load_config
 from jdp.hlo import Collective, _rows, all_reduce_report, all_reduces
 from jdp.models.common import lm_loss
 from jdp.models.gpt import GPT
 from jdp.optim import make_optimizer
+from jdp.parallel import strategies
+from jdp.parallel.buckets import bucket_plan
 from jdp.xla import set_xla_flags
 
 

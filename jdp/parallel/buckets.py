@@ -1,6 +1,6 @@
 """Gradient buckets, DDP's `bucket_cap_mb`: which gradients travel together, in the order backward finishes them.
 
-Pure functions of shapes: nothing here runs on a device or communicates (parallel.py reduces the buckets).
+Pure functions of shapes: nothing here runs on a device or communicates (step.py reduces the buckets).
 """
 
 from __future__ import annotations

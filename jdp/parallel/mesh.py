@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdp.guards import check_rows
+from jdp.parallel.guards import check_rows
 
 __all__ = [
     "AXIS",

@@ -1,18 +1,11 @@
-"""The data-parallel API: state placed for a strategy, the train step it runs, a state moved between strategies.
-
-jdp's parallelism lives in four places, in the order data flows: mesh.py (the `data` mesh, each process's rows,
-global batches), step.py (what every step is made of: gradient sums, the bucketed mean, the update and its skip
-guard, the eval step, replica checks), strategies/ (ddp, zero1, dp: one module each, one registry) and this
-module, which library users and the trainer call. Every collective is in step.py or a strategy's module, but for
-the reduction of one gradient bucket, which is a communication hook's (hooks.py: the mean, PowerSGD or a user's;
-they get the axis name from here). How a job starts is world.py's, what its processes agree on while running is
-coordination.py's, and which gradients share a bucket is buckets.py's.
-"""
+"""The data-parallel API that library users and the trainer call: state placed for a strategy, the train step it
+runs, a state moved between strategies, the layout a checkpoint was saved in."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,54 +13,16 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jdp import strategies
-from jdp.hooks import CommHook
-from jdp.mesh import AXIS, Batch, batch_sharding, make_mesh, process_rows, replicate, replicated, shard_batch
-from jdp.step import (
+from jdp.parallel import strategies
+from jdp.parallel.comm_hooks import CommHook
+from jdp.parallel.mesh import Batch, make_mesh, replicate, replicated
+from jdp.parallel.step import (
     LossFn,
     OptLayout,
     TrainState,
-    comm_record,
     init_comm,
     make_eval_step,
-    make_grad_fn,
-    make_replica_digest,
-    nonfinite_leaves,
-    param_names,
-    replica_digest_mismatches,
-    replica_mismatches,
 )
-
-__all__ = [
-    "AXIS",
-    "Batch",
-    "LossFn",
-    "OptLayout",
-    "TrainState",
-    "batch_sharding",
-    "comm_record",
-    "configured_train_step",
-    "init_state",
-    "init_state_from",
-    "make_eval_step",
-    "make_grad_fn",
-    "make_strategy_eval_step",
-    "make_mesh",
-    "mesh_for",
-    "make_replica_digest",
-    "make_train_step",
-    "nonfinite_leaves",
-    "layout_of",
-    "opt_layout",
-    "param_names",
-    "process_rows",
-    "relayout",
-    "replica_digest_mismatches",
-    "replica_mismatches",
-    "replicated",
-    "restore_target",
-    "shard_batch",
-]
 
 
 def mesh_for(parallel_cfg) -> jax.sharding.Mesh:
@@ -148,11 +103,35 @@ def _with_optimizer(params, rest, optimizer, mesh, strategy: str, comm_hook, own
     return TrainState(step, params, opt_state, rest, init_comm(comm_hook, params, mesh), own)
 
 
+class Assembled(NamedTuple):
+    graphdef: nnx.GraphDef
+    state: TrainState
+    train_step: Callable  # jitted (state, global batch) -> (state, metrics); donates the state
+    eval_step: Callable  # jitted (state, global batch) -> (loss sum, weight sum), the model in evaluation mode
+
+
+def assemble(model: nnx.Module, loss_fn: LossFn, optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh,
+             par, grad_accum: int = 1, schedule: optax.Schedule | None = None, comm_hook: CommHook | None = None,
+             factory: Callable[[], nnx.Module] | None = None) -> Assembled:  # fmt: skip
+    """The one way the trainer and jdp's commands assemble a run's state and steps, as a config's `parallel`
+    section (`par`) asks: the model's state laid out for par.strategy, the jitted train step, and an eval step that
+    runs the model in evaluation mode (`model.eval()`: dropout off, BatchNorm's running statistics). With `factory`
+    (what makes the model; `model` is then its shapes) the state is made by init_state_from."""
+    model.eval()
+    eval_graphdef = nnx.graphdef(model)
+    model.train()
+    if factory is not None:
+        graphdef, state = init_state_from(factory, optimizer, mesh, par.strategy, comm_hook)
+    else:
+        graphdef, state = init_state(model, optimizer, mesh, par.strategy, comm_hook)
+    train_step = configured_train_step(graphdef, loss_fn, optimizer, mesh, par, grad_accum, schedule, comm_hook)
+    return Assembled(graphdef, state, train_step, make_strategy_eval_step(eval_graphdef, loss_fn, mesh, par.strategy))
+
+
 def configured_train_step(graphdef, loss_fn: LossFn, optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh,
                           par, grad_accum: int = 1, schedule: optax.Schedule | None = None,
                           comm_hook: CommHook | None = None):  # fmt: skip
-    """make_train_step as a config's `parallel` section asks for it (its strategy's own options included): the one
-    way jdp's commands and the trainer assemble a step."""
+    """make_train_step as a config's `parallel` section asks for it (its strategy's own options included)."""
     return make_train_step(
         graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, strategy=par.strategy, bucket_mb=par.bucket_mb,
         reduce_dtype=par.reduce_dtype, comm_hook=comm_hook, **strategies.get(par.strategy).options_of(par),
@@ -179,7 +158,7 @@ def make_train_step(
 
     strategy="ddp" (jdp's design): every device computes its gradients, they are averaged by all-reduces
     of about bucket_mb MiB, and every replica applies the identical update; comm_hook replaces the mean of each
-    bucket (hooks.py; build the state with init_state(..., comm_hook=the same hook)). strategy="zero1" splits
+    bucket (comm_hooks.py; build the state with init_state(..., comm_hook=the same hook)). strategy="zero1" splits
     the optimizer state over the devices; strategy="dp" is PyTorch DataParallel's master pattern, kept as the
     baseline to measure against (strategies/; build the state with init_state(..., strategy=the same)).
     strategy="fsdp" splits the parameters, gradients and optimizer state too; its one option is

@@ -18,12 +18,12 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdp.buckets import Bucket, bucket_plan
 from jdp.errors import ConfigError
-from jdp.guards import RefusingDonated, check_batch, checked_loss, checking_rows
-from jdp.hooks import CommHook, GradBucket, Mean, varying
-from jdp.mesh import AXIS, Batch, batch_axes, replicate, replicated, shard_axis
 from jdp.nn import RowIds, RowKey
+from jdp.parallel.buckets import Bucket, bucket_plan
+from jdp.parallel.comm_hooks import CommHook, GradBucket, Mean, varying
+from jdp.parallel.guards import RefusingDonated, check_batch, checked_loss, checking_rows
+from jdp.parallel.mesh import AXIS, Batch, batch_axes, replicate, replicated, shard_axis
 
 __all__ = [
     "LossFn",

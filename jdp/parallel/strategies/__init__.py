@@ -2,7 +2,7 @@
 
 A strategy's module (`ddp.py`, `zero1.py`, `dp.py`) holds what needs JAX: `layout(mesh)` (how its optimizer state
 lies, which checkpoints record), `opt_shardings(shapes, mesh)` (where that state lives), `make_train_step(...)`, and
-what it costs, in jdp/costs.py's terms: `state_bytes(...)` (what one device holds; the memory check and `jdp plan`
+what it costs, in jdp/parallel/costs.py's terms: `state_bytes(...)` (what one device holds; the memory check and `jdp plan`
 add the activations) and `traffic(buckets, n, grad_accum)` (the collectives of one step, which `jdp plan` times on
 a link). Its entry below holds what the rest of jdp asks about it without importing JAX (the `jdp` command starts
 without it): the config checks, its XLA options, and a few words for the planner's and the memory check's messages.
@@ -31,7 +31,7 @@ class Strategy:
     name: str
     module: str  # its layout, placement, step and costs (imported on first use)
     summary: str
-    comm_hooks: bool = False  # a communication hook (hooks.py) may replace the mean of its gradient buckets
+    comm_hooks: bool = False  # a communication hook (comm_hooks.py) may replace the mean of its gradient buckets
     one_process: bool = False  # cannot span processes
     split_optimizer: bool = False  # each device keeps 1/N of the optimizer state (the memory check suggests it)
     master: bool = False  # one device receives every gradient and keeps the optimizer state (messages name it)
@@ -97,7 +97,7 @@ REGISTRY: dict[str, Strategy] = {
     for s in (
         Strategy(
             "ddp",
-            "jdp.strategies.ddp",
+            "jdp.parallel.strategies.ddp",
             "every device keeps everything; gradients all-reduced in buckets; every replica updates",
             comm_hooks=True,
             instead=("zero1", "fsdp"),
@@ -105,7 +105,7 @@ REGISTRY: dict[str, Strategy] = {
         ),
         Strategy(
             "zero1",
-            "jdp.strategies.zero1",
+            "jdp.parallel.strategies.zero1",
             "ddp with the optimizer state split over the devices: reduce-scatter, update a slice, all-gather",
             split_optimizer=True,
             gradients="reduce-scatter",
@@ -116,7 +116,7 @@ REGISTRY: dict[str, Strategy] = {
         ),
         Strategy(
             "fsdp",
-            "jdp.strategies.fsdp",
+            "jdp.parallel.strategies.fsdp",
             "parameters, gradients and optimizer state split over the devices; each block gathered for its forward "
             "and backward, its gradients reduce-scattered (ZeRO-3, PyTorch FSDP2)",
             split_optimizer=True,
@@ -128,7 +128,7 @@ REGISTRY: dict[str, Strategy] = {
         ),
         Strategy(
             "hsdp",
-            "jdp.strategies.hsdp",
+            "jdp.parallel.strategies.hsdp",
             "fsdp inside each group of parallel.shard_size devices (a node), the groups replicas of each other: "
             "gathers and reduce-scatters inside a group, the gradient shards all-reduced across groups",
             split_optimizer=True,
@@ -141,7 +141,7 @@ REGISTRY: dict[str, Strategy] = {
         ),
         Strategy(
             "dp",
-            "jdp.strategies.dp",
+            "jdp.parallel.strategies.dp",
             "PyTorch DataParallel's master: gradients gathered, one device updates, parameters broadcast (a baseline)",
             one_process=True,
             master=True,

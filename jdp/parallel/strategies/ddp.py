@@ -10,11 +10,11 @@ import jax
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jdp.costs import Buckets, Collectives, Memory, Traffic, tree_bytes
-from jdp.guards import RefusingDonated, checking_rows
-from jdp.hooks import CommHook
-from jdp.mesh import AXIS, Batch
-from jdp.step import LossFn, OptLayout, TrainState, global_grads, hook_states, update
+from jdp.parallel.comm_hooks import CommHook
+from jdp.parallel.costs import Buckets, Collectives, Memory, Traffic, tree_bytes
+from jdp.parallel.guards import RefusingDonated, checking_rows
+from jdp.parallel.mesh import AXIS, Batch
+from jdp.parallel.step import LossFn, OptLayout, TrainState, global_grads, hook_states, update
 
 __all__ = ["LAYOUT", "layout", "make_train_step", "opt_shardings", "state_bytes", "traffic"]
 
@@ -66,7 +66,7 @@ def make_train_step(
     reduce_dtype: str = "float32",
     comm_hook: CommHook | None = None,
 ):
-    """The ddp step: gradients averaged by all-reduces of about bucket_mb MiB, or through `comm_hook` (hooks.py;
+    """The ddp step: gradients averaged by all-reduces of about bucket_mb MiB, or through `comm_hook` (comm_hooks.py;
     build the state with init_state(..., comm_hook=the same hook))."""
     if comm_hook is None:
         grads_of = global_grads(graphdef, loss_fn, mesh.devices.size, grad_accum, bucket_mb, reduce_dtype)

@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jdp.costs import Memory, tree_bytes
-from jdp.guards import RefusingDonated, checking_rows
-from jdp.hooks import CommHook
-from jdp.mesh import AXIS, Batch, master_device, replicated
-from jdp.step import LossFn, OptLayout, TrainState, local_sums, update
+from jdp.parallel.comm_hooks import CommHook
+from jdp.parallel.costs import Memory, tree_bytes
+from jdp.parallel.guards import RefusingDonated, checking_rows
+from jdp.parallel.mesh import AXIS, Batch, master_device, replicated
+from jdp.parallel.step import LossFn, OptLayout, TrainState, local_sums, update
 
 __all__ = ["LAYOUT", "layout", "make_train_step", "opt_shardings", "state_bytes"]
 

@@ -26,11 +26,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdp.costs import Buckets, Collectives, Memory, Traffic, tree_bytes
-from jdp.guards import RefusingDonated, check_batch
-from jdp.hooks import CommHook
-from jdp.mesh import REPLICA, Batch, batch_axes, replicated, shard_axis, shard_count
-from jdp.step import LossFn, OptLayout, TrainState, apply_update, keep_if, local_sums, param_names
+from jdp.parallel.comm_hooks import CommHook
+from jdp.parallel.costs import Buckets, Collectives, Memory, Traffic, tree_bytes
+from jdp.parallel.guards import RefusingDonated, check_batch
+from jdp.parallel.mesh import REPLICA, Batch, batch_axes, replicated, shard_axis, shard_count
+from jdp.parallel.step import LossFn, OptLayout, TrainState, apply_update, keep_if, local_sums, param_names
 
 __all__ = [
     "LAYOUT", "Rows", "Units", "layout", "make_eval_step", "make_train_step", "opt_shardings", "report_units",
@@ -168,7 +168,7 @@ def traffic(
 def report_units(graphdef, state: TrainState, reshard_after_forward: bool = True, **_) -> tuple[list, list]:
     """What `jdp allreduce` matches the compiled step's collectives against: (the reduce-scatters: one per unit,
     the all-gathers: one per unit, and each block once more when resharding), as buckets of padded elements."""
-    from jdp.buckets import Bucket
+    from jdp.parallel.buckets import Bucket
 
     mesh = next(x.sharding.mesh for x in jax.tree.leaves(state.params) if x.ndim)
     names, leaves = param_names(state.params), jax.tree.leaves(state.params)
@@ -548,7 +548,7 @@ def split_step(
 
 def make_eval_step(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh):
     """step.make_eval_step with the model built from each device's rows, gathered block by block."""
-    from jdp.step import make_eval_step as generic
+    from jdp.parallel.step import make_eval_step as generic
 
     def model_of(shapes, params, rest):
         own = [jax.ShapeDtypeStruct(s, x.dtype) for s, x in zip(shapes, jax.tree.leaves(params), strict=True)]

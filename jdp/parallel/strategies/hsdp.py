@@ -4,18 +4,18 @@ inside each group the state is split as fsdp splits it over all devices, and eve
 Each block's rows are all-gathered inside the group (the fast link), its gradients reduce-scattered inside the
 group and the shard then all-reduced across the groups (1/K of the gradient bytes on the slow link). The batch is
 split over every device, in the 1-D mesh's order, so the data order is ddp's and fsdp's on the same devices.
-fsdp's code runs it (strategies/fsdp.py: split_step), with these axes."""
+fsdp's code runs it (fsdp.py: split_step), with these axes."""
 
 from __future__ import annotations
 
 import jax
 import optax
 
-from jdp.costs import Buckets, Collectives, Memory, Traffic
-from jdp.hooks import CommHook
-from jdp.mesh import REPLICA, SHARD
-from jdp.step import LossFn
-from jdp.strategies import fsdp
+from jdp.parallel.comm_hooks import CommHook
+from jdp.parallel.costs import Buckets, Collectives, Memory, Traffic
+from jdp.parallel.mesh import REPLICA, SHARD
+from jdp.parallel.step import LossFn
+from jdp.parallel.strategies import fsdp
 
 __all__ = [
     "LAYOUT",

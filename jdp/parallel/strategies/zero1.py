@@ -14,12 +14,12 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdp.buckets import Bucket, bucket_plan
-from jdp.costs import Buckets, Collectives, Memory, Traffic, tree_bytes
-from jdp.guards import RefusingDonated, check_batch
-from jdp.hooks import CommHook
-from jdp.mesh import AXIS, Batch, replicated, split_spec
-from jdp.step import LossFn, OptLayout, TrainState, apply_update, keep_if, local_sums, micro_spec
+from jdp.parallel.buckets import Bucket, bucket_plan
+from jdp.parallel.comm_hooks import CommHook
+from jdp.parallel.costs import Buckets, Collectives, Memory, Traffic, tree_bytes
+from jdp.parallel.guards import RefusingDonated, check_batch
+from jdp.parallel.mesh import AXIS, Batch, replicated, split_spec
+from jdp.parallel.step import LossFn, OptLayout, TrainState, apply_update, keep_if, local_sums, micro_spec
 
 __all__ = ["LAYOUT", "Slices", "layout", "make_train_step", "opt_shardings", "state_bytes", "traffic"]
 
