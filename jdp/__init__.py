@@ -84,7 +84,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    elif importlib.util.find_spec(f"{__name__}.{name}") is not None:  # a module: jdp.parallel, jdp.world, ...
+    elif importlib.util.find_spec(f"{__name__}.{name}") is not None:  # a module: jdp.parallel, jdp.hf, ...
         value = importlib.import_module(f"{__name__}.{name}")
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -60,10 +60,10 @@ def _device_ids(text: str) -> tuple[int, ...]:
 
 def _train(args: argparse.Namespace) -> int:
     from jdp.config import explicit_keys, load_config
-    from jdp.join import JoinError
-    from jdp.process import watch_launcher
-    from jdp.world import WorldError, resolve_world
-    from jdp.xla import keep_scratch_memory
+    from jdp.job.join import JoinError
+    from jdp.job.process import watch_launcher
+    from jdp.job.world import WorldError, resolve_world
+    from jdp.job.xla import keep_scratch_memory
 
     watch_launcher()  # a worker of `jdp launch` never outlives it
     config, overrides = split_config_args(args.args)
@@ -76,7 +76,7 @@ def _train(args: argparse.Namespace) -> int:
         world = resolve_world(args.coordinator, args.num_processes, args.process_id, args.local_device_ids)
     except WorldError as e:
         raise ConfigError(str(e)) from e
-    from jdp.coordination import leave_job
+    from jdp.job.coordination import leave_job
     from jdp.lm import train
     from jdp.trainer import RunError
 
@@ -148,7 +148,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from jdp.launch import LaunchError, launch, say
+    from jdp.job.launch import LaunchError, launch, say
 
     try:
         return launch(args, args.command)
@@ -282,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jdp.process import flush_every_line, tolerate_broken_pipes
+    from jdp.job.process import flush_every_line, tolerate_broken_pipes
 
     flush_every_line()  # each line reaches a file when printed, even if the process is then killed
     tolerate_broken_pipes()  # output to a reader that is gone is dropped; the command goes on

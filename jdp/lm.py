@@ -15,6 +15,7 @@ from jdp.config import Config, ConfigError, Derived
 from jdp.data.dataset import Source
 from jdp.data.pipeline import Data, load_data
 from jdp.data.tokens import documents
+from jdp.job.world import World
 from jdp.log import logger
 from jdp.memory import check_memory
 from jdp.metrics import flops_per_token
@@ -22,7 +23,6 @@ from jdp.models import make_model
 from jdp.models.common import lm_loss
 from jdp.optim import make_optimizer
 from jdp.trainer import Trainer
-from jdp.world import World
 
 __all__ = ["LanguageModel", "Text", "checked_import", "train"]
 

@@ -15,8 +15,8 @@ from jdp import parallel
 from jdp.callbacks import Callback, StepInfo
 from jdp.checkpoint import Checkpoints
 from jdp.config import Config
-from jdp.coordination import StopAgreement, Watchdog
 from jdp.data.dataset import Prefetcher, Source
+from jdp.job.coordination import StopAgreement, Watchdog
 from jdp.log import logger
 from jdp.metrics import GOODPUT_PARTS, MetricsLog, StepMeter, describe_goodput, goodput
 from jdp.rundir import RunDir

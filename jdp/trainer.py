@@ -36,10 +36,13 @@ from jdp.checkpoint import (
     saved_layout,
 )
 from jdp.config import Config, ConfigError, Derived, save_config, validate
-from jdp.coordination import PeerMonitor, announce_departure, describe_hosts, first_departure, publish_host
 from jdp.data.corpus import cache_root
 from jdp.data.dataset import Source, source_for
-from jdp.join import initialize
+from jdp.job.coordination import PeerMonitor, announce_departure, describe_hosts, first_departure, publish_host
+from jdp.job.join import initialize
+from jdp.job.process import watch_launcher
+from jdp.job.world import World, WorldError, resolve_world
+from jdp.job.xla import keep_scratch_memory, use_compilation_cache
 from jdp.log import PLAIN, logger, set_rank
 from jdp.loop import Loop, Phases, Result, Run
 from jdp.memory import peak_device_bytes
@@ -56,10 +59,7 @@ from jdp.metrics import (
 )
 from jdp.parallel import strategies
 from jdp.parallel.comm_hooks import CommHook
-from jdp.process import watch_launcher
 from jdp.rundir import RunDir, RunDirEscape, RunDirInUse, RunLock
-from jdp.world import World, WorldError, resolve_world
-from jdp.xla import keep_scratch_memory, use_compilation_cache
 
 __all__ = ["RunError", "Trainer"]
 
@@ -329,7 +329,7 @@ def apply_xla_options(cfg: Config) -> None:
     elif missing := strategy.set_xla_flags(p.bucket_mb, environ=dict(os.environ)):
         log.warning(
             f"JAX started before the trainer was made, so jdp's XLA options ({' '.join(missing)}) are "
-            f"not applied: make the Trainer (or call jdp.xla.set_xla_flags()) before anything touches a device"
+            f"not applied: make the Trainer (or call jdp.job.xla.set_xla_flags()) before anything touches a device"
         )
 
 

@@ -58,8 +58,8 @@ def child(mode: str, devices: int, args: list[str], cpu_cores: str | None = None
 
 
 def _setup(config: str, overrides: list[str]):
-    from jdp import xla
     from jdp.config import load_config
+    from jdp.job import xla
 
     cfg = load_config(config, ["train.run_dir=/dev/null", "train.progress=false", *overrides])
     from jdp.parallel import strategies
@@ -393,9 +393,9 @@ def jdp_vs_torch(a, gpu: bool, out: Path, results: dict) -> None:
 
 def host(config: str, overrides: list[str]) -> dict:
     """The machine and the options every measurement runs with: CPU model and ISA, versions, XLA_FLAGS."""
-    from jdp import xla
     from jdp.config import load_config
     from jdp.hardware import host_description
+    from jdp.job import xla
 
     env = dict(os.environ)
     xla.set_xla_flags(load_config(config, overrides).parallel.bucket_mb, env)  # what _setup adds in each child

@@ -294,9 +294,9 @@ def child_profile(p: Profile, work: Path) -> dict:
     from jdp import parallel
     from jdp.build import build
     from jdp.config import load_config
+    from jdp.job.xla import use_compilation_cache
     from jdp.memory import peak_device_bytes
     from jdp.parallel import strategies
-    from jdp.xla import use_compilation_cache
 
     t = p.trains[0]
     cfg = load_config(t.config, [*t.overrides, "train.run_dir=/dev/null", f"train.steps={t.steps}"])

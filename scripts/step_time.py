@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from jdp import xla
 from jdp.config import load_config, split_config_args
+from jdp.job import xla
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={N_DEVICES}"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-from jdp.xla import set_xla_flags  # noqa: E402  (imports jax, but touches no device yet)
+from jdp.job.xla import set_xla_flags  # noqa: E402  (imports jax, but touches no device yet)
 
 set_xla_flags()  # as `jdp train` does: compiled steps keep jdp's gradient buckets
 # Not keep_scratch_memory(): one malloc arena made this compile-heavy, many-threaded process ~30% slower
@@ -27,7 +27,7 @@ import time  # noqa: E402
 
 import pytest  # noqa: E402
 
-from jdp.launch import free_port  # noqa: E402
+from jdp.job.launch import free_port  # noqa: E402
 
 
 class Results(list):

@@ -1,6 +1,6 @@
 """JAX's private key-value store, which coordination.py reaches into: still where jdp looks for it."""
 
-from jdp.coordination import missing_key_value_api, step_value
+from jdp.job.coordination import missing_key_value_api, step_value
 
 
 def test_jax_private_key_value_store_is_still_where_jdp_reaches_for_it():
@@ -9,7 +9,7 @@ def test_jax_private_key_value_store_is_still_where_jdp_reaches_for_it():
     missing = missing_key_value_api()
     assert not missing, (
         f"jax {jax.__version__} moved or changed its private key-value store ({missing}). The stop agreement and "
-        f"the step watchdog use it: adapt jdp.coordination.KeyValueStore (the only place that touches it) or cap "
+        f"the step watchdog use it: adapt jdp.job.coordination.KeyValueStore (the only place that touches it) or cap "
         f"jax in pyproject.toml below this version"
     )
 

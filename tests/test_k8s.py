@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jdp.launch import free_port
+from jdp.job.launch import free_port
 from jdp.metrics import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.alone]  # names and addresses of its own, bounds in seconds

@@ -155,7 +155,7 @@ def test_a_worker_that_never_arrives_is_a_clear_error_within_the_timeout(tmp_pat
     # Only one of the job's two processes is ever started.
     penv = {**env, "JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(present)}
     if present == 0:
-        from jdp.launch import free_port
+        from jdp.job.launch import free_port
 
         penv["JAX_COORDINATOR_ADDRESS"] = f"127.0.0.1:{free_port()}"
     start = time.monotonic()
@@ -178,7 +178,7 @@ def test_launch_refuses_bad_options(env):
 
 
 def test_cpu_workers_get_disjoint_core_sets():
-    from jdp.launch import cpu_groups
+    from jdp.job.launch import cpu_groups
 
     cores = sorted(os.sched_getaffinity(0))
     groups = cpu_groups(len(cores))
@@ -257,7 +257,7 @@ def test_a_process_that_leaves_outside_a_step_is_named_by_the_others_within_seco
 
 
 def test_a_worker_runs_a_jdp_command_or_a_script_with_the_launchers_python():
-    from jdp.launch import worker_argv
+    from jdp.job.launch import worker_argv
 
     assert worker_argv(["train", "tiny"]) == [sys.executable, "-m", "jdp.cli", "train", "tiny"]
     assert worker_argv(["python", "x.py", "--a"]) == [sys.executable, "x.py", "--a"]

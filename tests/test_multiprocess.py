@@ -19,8 +19,8 @@ DATA_WORKER = textwrap.dedent(
     from jdp import parallel
     from jdp.data import Batches
 
-    from jdp.join import initialize
-    from jdp.world import resolve_world
+    from jdp.job.join import initialize
+    from jdp.job.world import resolve_world
 
     initialize(resolve_world())
     mesh = parallel.make_mesh()
@@ -65,9 +65,9 @@ KV_WORKER = textwrap.dedent(
     import json, sys
     import jax
     from jax.experimental import multihost_utils
-    from jdp.coordination import StopAgreement, Watchdog, key_value_store
-    from jdp.join import initialize
-    from jdp.world import resolve_world
+    from jdp.job.coordination import StopAgreement, Watchdog, key_value_store
+    from jdp.job.join import initialize
+    from jdp.job.world import resolve_world
 
     initialize(resolve_world())
     kv = key_value_store()

@@ -1,4 +1,4 @@
-"""The elastic rendezvous of `jdp launch --nnodes MIN:MAX` (jdp/rendezvous.py) on its own: launchers as threads
+"""The elastic rendezvous of `jdp launch --nnodes MIN:MAX` (jdp/job/rendezvous.py) on its own: launchers as threads
 sharing one directory. The same code between real hosts: tests/test_hosts.py's elastic test."""
 
 import threading
@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from jdp.launch import LaunchError, nodes_range
-from jdp.rendezvous import Rendezvous, RendezvousError
+from jdp.job.launch import LaunchError, nodes_range
+from jdp.job.rendezvous import Rendezvous, RendezvousError
 
 
 def node(tmp_path, hint, address, lo=1, hi=2, nproc=2, timeout_s=0.5, join_timeout_s=20):

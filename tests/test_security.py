@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from jdp.config import ConfigError, load_config
-from jdp.join import bind_address
-from jdp.launch import free_port
+from jdp.job.join import bind_address
+from jdp.job.launch import free_port
 from jdp.rundir import RunDir, RunDirEscape
 
 SMALL = ["model.n_layers=1", "model.d_model=32", "model.max_seq_len=32", "data.seq_len=32", "train.batch_size=8"]

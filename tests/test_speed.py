@@ -15,12 +15,12 @@ from jdp import parallel
 from jdp.build import build as build_from_config
 from jdp.config import OptimConfig, load_config
 from jdp.hlo import Collective, _rows, all_reduce_report, all_reduces
+from jdp.job.xla import set_xla_flags
 from jdp.models.common import lm_loss
 from jdp.models.gpt import GPT
 from jdp.optim import make_optimizer
 from jdp.parallel import strategies
 from jdp.parallel.buckets import bucket_plan
-from jdp.xla import set_xla_flags
 
 
 def build(n_devices=4, grad_accum=1, **step_kw):
@@ -229,7 +229,7 @@ def test_allreduce_table_puts_the_norms_scalar_all_reduces_in_one_row_when_xla_l
 
 SCRATCH_PROGRAM = """
 import resource, statistics, sys
-from jdp import xla
+from jdp.job import xla
 if sys.argv[1] == "keep":
     assert xla.keep_scratch_memory()
 import jax, jax.numpy as jnp

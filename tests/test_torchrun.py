@@ -1,7 +1,7 @@
 """PyTorch's own torchrun starting `jdp train`: one node, two nodes (c10d rendezvous), restarts that resume.
 
 torchrun's agent holds MASTER_PORT for its own store; jdp's coordination service takes MASTER_PORT + 1 there
-(jdp/world.py). These tests run where torch is installed (CI: the oldest stack, torch 2.13.0 from this machine's
+(jdp/job/world.py). These tests run where torch is installed (CI: the oldest stack, torch 2.13.0 from this machine's
 disk); elsewhere they are skipped with that reason, printed by CI (`pytest -rs`).
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from jdp.launch import free_port
+from jdp.job.launch import free_port
 from jdp.metrics import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.alone]  # torchrun's rendezvous, restarts
@@ -190,7 +190,7 @@ def test_a_taken_coordinator_port_is_one_jdp_error_line_not_a_traceback(env, tmp
     errors = [line for line in out.stderr.splitlines() if line.startswith("jdp: error:")]
     assert len(errors) == 1 and f"127.0.0.1:{taken}" in errors[0] and "JDP_COORDINATOR_PORT" in errors[0], out.stderr
     # torchrun prints its own summary (with its own traceback); none comes from jdp's code.
-    assert "jdp/world.py" not in out.stderr and "jdp/join.py" not in out.stderr and "jax/_src" not in out.stderr, (
+    assert "jdp/job/world.py" not in out.stderr and "jdp/job/join.py" not in out.stderr and "jax/_src" not in out.stderr, (
         out.stderr[-3000:]
     )
     assert not (tmp_path / "run").exists()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from jdp.world import WorldError, resolve_world
+from jdp.job.world import WorldError, resolve_world
 
 
 def test_nothing_means_one_plain_process():

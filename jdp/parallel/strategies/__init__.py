@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from jdp import xla
+from jdp.job import xla
 
 __all__ = ["REGISTRY", "Strategy", "get", "names"]
 

@@ -15,9 +15,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from jdp.join import source_address
+from jdp.job.join import source_address
+from jdp.job.rendezvous import Rendezvous, RendezvousError
 from jdp.log import logger
-from jdp.rendezvous import Rendezvous, RendezvousError
 
 __all__ = [
     "worker_argv",
@@ -189,7 +189,7 @@ class Launcher:
                 JDP_LAUNCHER_PID=str(os.getpid()),
                 JDP_LAUNCHER_GRACE_S=str(a.grace_s),
             )
-            if a.coordinator_bind:  # where node 0's coordination service listens (jdp.join.bind_address)
+            if a.coordinator_bind:  # where node 0's coordination service listens (jdp.job.join.bind_address)
                 env["JAX_COORDINATOR_BIND_ADDRESS"] = a.coordinator_bind
             pin = None
             if gpus is not None:

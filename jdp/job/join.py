@@ -10,8 +10,8 @@ import socket
 import threading
 from collections.abc import Mapping
 
+from jdp.job.world import COORDINATOR_PORT_ENV, World
 from jdp.log import PLAIN, logger, set_rank
-from jdp.world import COORDINATOR_PORT_ENV, World
 
 __all__ = [
     "BIND_ENV",
