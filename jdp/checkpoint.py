@@ -62,7 +62,7 @@ RESUMABLE_CHANGES = {
 
 def config_differences(saved: dict, current: dict) -> list[str]:
     """`section.key: saved -> current` for every value that differs and may not change on resume."""
-    out, defaults = [], Config().to_dict()
+    out, defaults = [], dataclasses.asdict(Config())  # every key's default (to_dict keeps one family's model keys)
     for section, values in current.items():
         for key, value in values.items():
             name = f"{section}.{key}"

@@ -16,7 +16,7 @@ import yaml
 from jdp import models
 from jdp.data import formats
 from jdp.errors import ConfigError
-from jdp.models.config import ModelConfig
+from jdp.models.config import SHARED_KEYS, ModelConfig
 from jdp.parallel import strategies
 from jdp.rundir import RunDir
 
@@ -166,7 +166,12 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The config as plain data (config.yaml, the checkpoint record, the trackers). The model section holds the
+        keys of its family only: a Llama run's never lists GPT's keys, nor the reverse (another family's keys can
+        only be at their defaults: validate refuses them set)."""
+        out = dataclasses.asdict(self)
+        out["model"] = {k: out["model"][k] for k in models.keys(self.model.arch)}
+        return out
 
 
 _SECTION_TYPES = {
@@ -195,9 +200,21 @@ def _field_type(section: str, key: str) -> type:
             return _TYPES[f.type]
     dotted = f"{section}.{key}"
     if hint := _did_you_mean(dotted, valid_keys()):
-        keys = [k for k in valid_keys() if k.startswith(f"{section}.")]
-        raise ConfigError(f"unknown config key '{dotted}'{hint}\nthe keys of {section}: {', '.join(keys)}")
+        raise ConfigError(f"unknown config key '{dotted}'{hint}\nthe keys of {section}:{_keys_of(section)}")
+    if section == "model":
+        raise ConfigError(f"unknown config key '{dotted}'; the keys of model:{_keys_of(section)}")
     raise ConfigError(f"unknown config key '{dotted}'; valid keys:\n  " + "\n  ".join(valid_keys()))
+
+
+def _keys_of(section: str) -> str:
+    """A section's keys for a message; the model's by family (a Llama user reads Llama's keys apart from GPT's)."""
+    if section != "model":
+        return " " + ", ".join(f"{section}.{f.name}" for f in dataclasses.fields(_SECTION_TYPES[section]))
+    parts = [f"every family's {', '.join(SHARED_KEYS)}"] + [
+        f"{models.get(n).TITLE}'s (model.arch={n}) {', '.join(k for k in models.keys(n) if k not in SHARED_KEYS)}"
+        for n in models.names()
+    ]
+    return " " + "; ".join(parts)
 
 
 def _did_you_mean(name: str, names: list[str]) -> str:

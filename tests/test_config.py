@@ -173,6 +173,21 @@ def test_a_near_miss_key_gets_did_you_mean_first_not_every_key(override, hint):
     assert len(rest) == 1 and rest[0].count(".") < 25  # then one line of the section's keys, not all 60
 
 
+def test_the_model_keys_are_shown_by_family_and_a_run_records_its_familys_only(tmp_path):
+    """A Llama user never reads GPT's keys as Llama's, nor the reverse: an unknown model key lists each family's keys
+    apart, and the config a run saves (config.yaml, the checkpoint record) holds its own family's keys only."""
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=["model.zzz=1"])
+    msg = str(e.value)
+    assert "every family's vocab_size" in msg and "GPT's (model.arch=gpt) mlp_ratio, bias;" in msg
+    assert "Llama's (model.arch=llama) n_kv_heads" in msg and "data.source" not in msg
+    for arch, own, foreign in (("llama", "rope_theta", "mlp_ratio"), ("gpt", "mlp_ratio", "rope_theta")):
+        cfg = load_config(overrides=[f"model.arch={arch}", f"train.run_dir={tmp_path / arch}"])
+        saved = yaml.safe_load(save_config(cfg, tmp_path / arch).read_text())["model"]
+        assert own in saved and foreign not in saved and "d_model" in saved and cfg.to_dict()["model"] == saved
+        assert load_config(tmp_path / arch / "config.yaml") == cfg  # the keys left out come back as their defaults
+
+
 def test_unknown_key_in_file_lists_valid_keys(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(_write(tmp_path, "train:\n  stepz: 10\n"))

@@ -280,7 +280,7 @@ def test_a_resumed_run_may_not_change_the_family_or_its_keys():
         f"model.{k}" for k in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio")
     }
     assert "model.rope_theta" in new_keys and not new_keys & RESUMABLE_CHANGES
-    saved = Config().to_dict()
+    saved = dataclasses.asdict(Config())  # every model key, as records held them before each family kept its own
     for key in ("arch", "n_kv_heads", "rope_theta", "tie_embeddings"):
         del saved["model"][key]
     current = load_config(None, ["model.arch=llama", "model.n_kv_heads=2", "train.run_dir=unused"]).to_dict()

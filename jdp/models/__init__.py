@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from jdp.errors import ConfigError
 from jdp.models.config import SHARED_KEYS, ModelConfig
 
-__all__ = ["Family", "ff_width", "get", "hf_architectures", "make_model", "names", "problems", "register"]
+__all__ = ["Family", "ff_width", "get", "hf_architectures", "keys", "make_model", "names", "problems", "register"]
 
 _BUILTIN = {"gpt": "jdp.models.gpt", "llama": "jdp.models.llama"}  # imported on first use
 _REGISTERED: dict[str, Any] = {}
@@ -80,6 +80,13 @@ def get(name: str) -> Family:
     if name not in _BUILTIN:
         raise ConfigError(f"model.arch={name!r} must be one of {', '.join(names())}")
     return importlib.import_module(_BUILTIN[name])
+
+
+def keys(arch: str) -> tuple[str, ...]:
+    """The model.* keys family `arch` reads, in ModelConfig's order: the shared ones and its own (every key when
+    `arch` names no family: the config check then says so)."""
+    own = set(SHARED_KEYS) | set(get(arch).KEYS) if arch in names() else None
+    return tuple(f.name for f in dataclasses.fields(ModelConfig) if own is None or f.name in own)
 
 
 def ff_width(m: ModelConfig) -> int:
