@@ -259,7 +259,9 @@ def _sources(where: str, value: Any, from_text: bool) -> tuple:
     """data.sources: a list of mappings (YAML, or its flow form on the command line), each checked for its keys."""
     if from_text:
         try:
-            value = yaml.safe_load(value) if str(value).strip() else []
+            value = yaml.load(value, Loader=_UniqueKeys) if str(value).strip() else []
+        except _Duplicate as e:
+            raise ConfigError(f"{where}: {str(e).split(': ', 1)[1]}") from None
         except yaml.YAMLError as e:
             raise ConfigError(
                 f"{where}: not valid YAML ({e}); write data.sources='[{{source: a, weight: 3}}, ...]'"
@@ -309,6 +311,38 @@ def split_config_args(args: list[str] | tuple[str, ...]) -> tuple[str, list[str]
     return DEFAULT_CONFIG, args
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """yaml.safe_load that refuses a key given twice in one mapping (PyYAML keeps the last one without a word: a
+    second `train:` section would drop the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        first: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in first:
+                raise _Duplicate(f"line {line}: {key!r} is given twice in one mapping (first at line {first[key]}); "
+                                 f"YAML would keep only the second: keep one")  # fmt: skip
+            first.setdefault(key, line)
+        return super().construct_mapping(node, deep)
+
+
+class _Duplicate(Exception):
+    pass
+
+
+def read_yaml(path: Path) -> Any:
+    """A YAML file's contents; a file that is not UTF-8, not YAML, or gives a key twice is a ConfigError naming it."""
+    try:
+        return yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeys) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+    except _Duplicate as e:
+        raise ConfigError(f"{path}, {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+
+
 def explicit_keys(overrides: list[str] | tuple[str, ...]) -> frozenset[str]:
     """The keys the command line sets (`model.d_model=64` -> `model.d_model`), as opposed to the config file's."""
     return frozenset(item.split("=", 1)[0] for item in overrides if "=" in item)
@@ -319,10 +353,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     values: dict[str, dict[str, Any]] = {s: {} for s in _SECTION_TYPES}
     if path is not None:
         path = resolve_config_path(str(path))
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        raw = read_yaml(path)
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping of sections (model, data, optim, train, parallel)")
         for section, entries in raw.items():

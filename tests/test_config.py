@@ -472,6 +472,33 @@ def test_a_yaml_syntax_error_names_the_file(tmp_path):
         load_config(bad)
 
 
+def test_a_key_given_twice_is_refused_with_its_line_not_kept_last(tmp_path):
+    """PyYAML keeps the last of two equal keys: a second `train:` section dropped the first's batch size, and
+    `d_model` twice trained the second. Refused, with the file, the line and the key, in a file and in data.sources."""
+    twice = _write(tmp_path, "model:\n  d_model: 32\n  n_layers: 2\n  d_model: 64\n", "twice.yaml")
+    with pytest.raises(ConfigError, match=r"twice.yaml, line 4: 'd_model' is given twice .*\(first at line 2\)"):
+        load_config(twice)
+    sections = _write(tmp_path, "train:\n  batch_size: 8\nmodel:\n  d_model: 32\ntrain:\n  steps: 3\n", "sec.yaml")
+    with pytest.raises(ConfigError, match=r"sec.yaml, line 5: 'train' is given twice .*\(first at line 1\)"):
+        load_config(sections)
+    with pytest.raises(ConfigError, match=r"data.sources=.*'source' is given twice"):
+        load_config(overrides=["data.sources=[{source: a, source: b}]"])
+    assert load_config(_write(tmp_path, "model:\n  d_model: 32\ntrain:\n  steps: 3\n")).model.d_model == 32
+
+
+def test_a_config_file_that_is_not_utf8_is_one_error_line_for_train_and_plan(tmp_path):
+    import subprocess
+    import sys
+
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes(b"train:\n  steps: 3  # caf\xe9\n")
+    for command in (["train", str(latin)], ["plan", str(latin), "--devices", "2"]):
+        out = subprocess.run([sys.executable, "-m", "jdp.cli", *command], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+        assert out.stderr.strip().splitlines() == [f"jdp: error: {latin}: not UTF-8 text (invalid continuation byte "
+                                                   f"at byte 24); save it as UTF-8"], out.stderr  # fmt: skip
+
+
 def test_bad_input_ends_jdp_train_with_exit_2_and_the_message_not_a_traceback(tmp_path):
     """What a user sees: `jdp train` exits 2 with one clear message, before any compilation, for a bad number, a
     file that is not UTF-8, and a data path that does not exist."""
