@@ -233,7 +233,7 @@ class Checkpoints:
     def __init__(self, run_dir: str | Path, keep: int, read_only: bool = False):
         """read_only: only restore (jdp generate): create, clean up and move nothing, since a training run may
         be writing its next checkpoint into this directory right now; damaged ones are skipped, left in place."""
-        self.run_dir = RunDir(Path(run_dir).absolute())
+        self.run_dir = RunDir(Path(run_dir).expanduser().absolute())
         self.dir = self.run_dir.checkpoints
         self.read_only = read_only
         self.writing: int | None = None  # the step whose asynchronous save may still be running, or may have failed

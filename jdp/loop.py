@@ -149,6 +149,12 @@ class Loop:
                             callback.run(self, self.done)
                 self.notify("step_end", self.done)
             self.flush()
+            if not preempted and self.done > run.start and self.meter.bad_run >= self.done - run.start:
+                raise RuntimeError(
+                    f"every step of this run ({run.start + 1}-{self.done}) had a non-finite loss or gradient and was "
+                    f"skipped: the parameters were never updated (train.max_bad_steps={self.t.max_bad_steps} allows "
+                    f"that many in a row). Lower optim.lr or check the data and the loss"
+                )
             return preempted
         except BaseException:
             # A checkpoint already being written holds good parameters: let it complete. With several processes a

@@ -20,7 +20,7 @@ class RunDir:
     checkpoints (and, streaming, its own data position)."""
 
     def __init__(self, path: str | Path):
-        self.path = Path(path)
+        self.path = Path(path).expanduser()  # train.run_dir=~/runs/x is under the home directory, not ./~
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"

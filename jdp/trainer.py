@@ -353,6 +353,8 @@ def hold(lock: RunLock, run_dir: RunDir, cfg: Config) -> int | None:
                     whose = f"its lock was cut off while written, at {dead['started']}"
                 log.warning(f"took over {lock.path} from a job that is gone ({whose})")
             complete = -1 if problem else completed_step(run_dir, cfg)
+            if not problem and complete < 0:
+                problem = past_the_end(run_dir, cfg)
         except RunDirInUse as e:
             problem = str(e)
         except OSError as e:  # cannot create the directory or the lock: read-only, no permission, a file on the way
@@ -388,6 +390,17 @@ def completed_step(run_dir: RunDir, cfg: Config) -> int:
     if not isinstance(saved, dict) or config_differences(saved, json.loads(json.dumps(cfg.to_dict()))):
         return -1
     return steps[-1]
+
+
+def past_the_end(run_dir: RunDir, cfg: Config) -> str:
+    """Why an unfinished run cannot go on with a train.steps below its newest checkpoint ("" when it can): it would
+    restore that checkpoint, run no step, and call the run done."""
+    steps = run_dir.checkpoint_steps() if cfg.train.resume else []
+    if not steps or steps[-1] <= cfg.train.steps:
+        return ""
+    return (f"the run in {run_dir.path} is already at step {steps[-1]} >= train.steps={cfg.train.steps} (its newest "
+            f"checkpoint): raise train.steps above {steps[-1]} to continue it, or set train.resume=false (or another "
+            f"train.run_dir) to start over")  # fmt: skip
 
 
 def already_complete(run_dir: RunDir, step: int) -> dict:

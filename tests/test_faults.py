@@ -231,6 +231,14 @@ def test_injected_nan_is_skipped_and_too_many_stop_the_run(small, tmp_path, monk
     assert resumed["loss"] == resumed["loss"] and resumed["skipped_total"] == 0
 
 
+def test_a_run_whose_every_step_was_skipped_fails_instead_of_ending_done(small, tmp_path, monkeypatch):
+    """Fewer steps than train.max_bad_steps, every one non-finite: the parameters never moved, so the run is an
+    error naming that, not `done: loss nan` with exit 0."""
+    monkeypatch.setenv("JDP_TEST_NAN_STEPS", "1,2,3")
+    with pytest.raises(RunError, match=r"every step of this run \(1-3\) had a non-finite loss or gradient"):
+        train(small("train.steps=3", "train.ckpt_every=0", "data.val_tokens=0", inject.OVERRIDE))
+
+
 def test_overflowing_update_is_never_checkpointed(small, tmp_path):
     """Finite loss and gradients, but an update that overflows float32: the step is not skipped (only a
     non-finite loss or gradient is), and the check before saving refuses to checkpoint the result."""

@@ -112,3 +112,34 @@ def test_a_lock_cut_off_while_written_is_taken_over_once_old_and_waited_for_whil
     assert code == 0, err
     assert f"jdp: warning: took over {lock} from a job that is gone (its lock was cut off while written" in err
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2 and not lock.exists()
+
+
+def test_an_unfinished_run_with_train_steps_below_its_checkpoint_is_refused_not_called_done(tmp_path, capsys):
+    """Checkpoint at 4 (the run was killed: no summary), then train.steps=2: it would restore step 4, run nothing
+    and end `done: loss nan` with exit 0. Refused before any compute, the run directory untouched."""
+    run_dir = tmp_path / "run"
+    code, err = _jdp_train(run_dir, capsys, "train.steps=4", "train.ckpt_every=2")
+    assert code == 0, err
+    (run_dir / "summary.json").unlink()  # as a killed run leaves it
+    before = _files(run_dir)
+    code, err = _jdp_train(run_dir, capsys, "train.steps=3", "train.ckpt_every=2")
+    assert code == 2 and "Traceback" not in err, err
+    assert f"jdp: error: the run in {run_dir} is already at step 4 >= train.steps=3" in err, err
+    assert {k: v for k, v in _files(run_dir).items() if not k.startswith(".jdp-lock")} == {
+        k: v for k, v in before.items() if not k.startswith(".jdp-lock")
+    }
+
+
+def test_a_tilde_in_run_dir_and_cache_dir_means_the_home_directory(tmp_path, capsys, monkeypatch):
+    """train.run_dir=~/runs/x wrote into ./~/runs/x while the banner said ~/runs/x."""
+    from jdp.config import DataConfig
+    from jdp.data.corpus import cache_root
+
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir(), work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    code, err = _jdp_train("~/runs/x", capsys)
+    assert code == 0, err
+    assert (home / "runs" / "x" / "config.yaml").is_file() and not (work / "~").exists()
+    assert cache_root(DataConfig(cache_dir="~/cache")) == home / "cache"

@@ -50,7 +50,7 @@ VAL_SPLITS = ("validation", "test")  # the splits data.val_split=auto validates 
 
 
 def cache_root(cfg: DataConfig) -> Path:
-    return Path(cfg.cache_dir or os.environ.get("JDP_CACHE") or Path.home() / ".cache" / "jdp")
+    return Path(cfg.cache_dir or os.environ.get("JDP_CACHE") or Path.home() / ".cache" / "jdp").expanduser()
 
 
 def stdlib_files() -> list[Path]:
