@@ -28,6 +28,7 @@ _EXPORTS = {
     "Config": "jdp.config",
     "ConfigError": "jdp.config",
     "load_config": "jdp.config",
+    "load": "jdp.checkpoint",
     "GPT": "jdp.models.gpt",
     "Llama": "jdp.models.llama",
     "make_model": "jdp.models",
@@ -66,6 +67,7 @@ __all__ = [
     "TrainState",
     "init_state",
     "lm_loss",
+    "load",
     "load_config",
     "make_eval_step",
     "make_mesh",
@@ -98,6 +100,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from jdp.callbacks import Callback, StepInfo, every
+    from jdp.checkpoint import load
     from jdp.config import Config, ConfigError, load_config
     from jdp.data.dataset import Loader
     from jdp.lm import train

@@ -16,11 +16,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from flax import nnx
 from jax.experimental import multihost_utils
 
 from jdp.config import Config, ConfigError
 from jdp.log import logger
-from jdp.rundir import RunDir
+from jdp.rundir import RunDir, RunDirEscape
 
 __all__ = [
     "RESUMABLE_CHANGES",
@@ -528,3 +529,33 @@ def check_resumable(record: dict, cfg: Config) -> None:
             + "\n  ".join(differences)
             + "\nUse the saved values, or a new train.run_dir (or train.resume=false) to start a new run"
         )
+
+
+def load(run_dir: str | Path, model, step: int | None = None, *, with_step: bool = False):
+    """A run's trained model, for inference or a loop of your own (`jdp.load`): `model` (a module of the run's
+    architecture, or a function that makes one: only its structure and shapes are used, nothing is computed) with
+    the parameters and other variables (BatchNorm's statistics, ...) of the checkpoint at `step` (None: the newest
+    that restores, past damaged ones), on one device. Any strategy and any number of devices or processes may have
+    written it: only the model is read, no optimizer state, checked against the checksums saved with it.
+    `with_step=True` returns (step, model)."""
+    run = RunDir(run_dir)
+    try:
+        run.check_contained()
+    except RunDirEscape as e:
+        raise ConfigError(str(e)) from None
+    if not run.checkpoints.is_dir():
+        raise ConfigError(f"{run_dir} has no checkpoint yet (no {run.checkpoints}); train it first")
+    if callable(model) and not isinstance(model, nnx.Module):
+        model = nnx.eval_shape(model)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    params, rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), (params, rest))
+    ckpts = Checkpoints(run.path, keep=1, read_only=True)  # a training run may be writing next to us
+    try:
+        if not ckpts.steps():
+            raise ConfigError(f"{run_dir} has no checkpoint yet ({ckpts.dir} is empty); train it first")
+        step, params, rest = ckpts.restore_model(step, params, rest)
+    finally:
+        ckpts.close()
+    loaded = nnx.merge(graphdef, params, rest)
+    return (step, loaded) if with_step else loaded

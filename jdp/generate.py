@@ -10,8 +10,7 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from jdp import decode, hf
-from jdp.checkpoint import Checkpoints
+from jdp import checkpoint, decode, hf
 from jdp.config import Config, ConfigError, DataConfig, load_config
 from jdp.data.tokens import ByteTokenizer, HFTokenizer, load_tokenizer
 from jdp.log import logger
@@ -75,22 +74,10 @@ def load_run(run_dir: str | Path, step: int | None = None) -> tuple[Config, nnx.
         )
     cfg = load_config(run.config)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    if not run.checkpoints.is_dir():
-        raise ConfigError(f"{run_dir} has no checkpoint yet (no {run.checkpoints}); train it first")
-    ckpts = Checkpoints(run_dir, keep=1, read_only=True)  # a training run may be writing next to us
-    try:
-        steps = ckpts.steps()
-        if not steps:
-            raise ConfigError(f"{run_dir} has no checkpoint yet ({ckpts.dir} is empty); train it first")
-        # The model's structure, shapes and placement on one device (nothing is computed); the checkpoint's model
-        # alone is read into it, whatever strategy or device count wrote it, and checked against its checksums.
-        graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: make_model(cfg.model, nnx.Rngs(0))), nnx.Param, ...)
-        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        params, rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), (params, rest))
-        step, params, rest = ckpts.restore_model(step, params, rest)
-    finally:
-        ckpts.close()
-    return cfg, nnx.merge(graphdef, params, rest), tokenizer, step
+    # The model's structure and shapes (nothing is computed): the checkpoint's model alone is read into it, on one
+    # device, whatever strategy or device count wrote it, and checked against its checksums.
+    step, model = checkpoint.load(run_dir, lambda: make_model(cfg.model, nnx.Rngs(0)), step, with_step=True)
+    return cfg, model, tokenizer, step
 
 
 def sample_batch(

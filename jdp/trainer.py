@@ -30,6 +30,7 @@ from jdp.checkpoint import (
     check_param_shapes,
     check_resumable,
     config_differences,
+    load,
     make_record,
     saved_comm,
     saved_data_state,
@@ -61,7 +62,7 @@ from jdp.parallel import strategies
 from jdp.parallel.comm_hooks import CommHook
 from jdp.rundir import RunDir, RunDirEscape, RunDirInUse, RunLock
 
-__all__ = ["RunError", "Trainer"]
+__all__ = ["FitResult", "RunError", "Trainer"]
 
 LossFn = parallel.LossFn
 log = logger("jdp.trainer")
@@ -69,6 +70,23 @@ log = logger("jdp.trainer")
 
 class RunError(RuntimeError):
     """Training failed; the message names the process and the phase it was in."""
+
+
+class FitResult(dict):
+    """What fit() returns: the last metrics and eval_loss, params_sha256, ..., and `result["model"]`, the trained
+    module, made on first use: merged from the final state where every device holds the whole model, else (a state
+    split over the devices, or a run that had already finished) read from the run's newest checkpoint onto one
+    device (jdp.load)."""
+
+    def __init__(self, values: dict, make_model: Callable[[], nnx.Module]):
+        super().__init__(values)
+        self._make_model = make_model
+
+    def __missing__(self, key):
+        if key != "model":
+            raise KeyError(key)
+        self["model"] = model = self._make_model()
+        return model
 
 
 class Trainer:
@@ -141,6 +159,10 @@ class Trainer:
         splits the parameters places each device's rows as they are made); None for a model given made."""
         return self.model if callable(self.model) and not isinstance(self.model, nnx.Module) else None
 
+    def saved_model(self) -> nnx.Module:
+        """The model of the run's newest checkpoint, on one device."""
+        return load(self.cfg.train.run_dir, self.model_factory() or self.make_model())
+
     def describe_model(self, n_params: int, peak: float, peak_source: str) -> str:
         return f"model {n_params:,} parameters | MFU peak: {peak / 1e12:.3g} TFLOP/s, {peak_source}"
 
@@ -154,7 +176,7 @@ class Trainer:
 
     def fit(self) -> dict:
         """Train to train.steps (or resume there); returns the last metrics and eval_loss, the final state and
-        graphdef. Errors: ConfigError for bad input (before any compute), RunError naming the phase otherwise."""
+        graphdef, and `["model"]`, the trained module, on every path (FitResult). Errors: ConfigError for bad input (before any compute), RunError naming the phase otherwise."""
         cfg = self.cfg
         world = self.world
         if world is None:
@@ -178,11 +200,15 @@ class Trainer:
             mesh = self.mesh if self.mesh is not None else parallel.mesh_for(self.cfg.parallel)
             derived = self.check(mesh)  # before the run directory is made: a bad config leaves nothing behind
             if (complete := hold(lock, run_dir, cfg)) is not None:
-                return already_complete(run_dir, complete)
+                return FitResult(already_complete(run_dir, complete), self.saved_model)
             run = self.setup(world, phases, mesh, derived)
             result = Loop(run).go()
             with phases("writing the summary"):
-                return finish(run, world, derived, result)
+                values = finish(run, world, derived, result)
+            whole = not parallel.opt_layout(cfg.parallel.strategy, mesh).splits_parameters
+            state = result.state
+            return FitResult(values, lambda: nnx.merge(run.graphdef, state.params, state.rest) if whole
+                             else self.saved_model())  # fmt: skip
         except ConfigError as e:
             announce_departure(f"found bad input: {e}")
             raise

@@ -79,6 +79,26 @@ def test_a_run_stopped_and_resumed_ends_with_the_same_parameters(tmp_path):
     assert again["already_complete"] == 12 and again["params_sha256"] == whole["params_sha256"]
 
 
+def test_the_trained_model_comes_back_on_every_path_and_from_any_checkpoint(tmp_path):
+    """fit()["model"] is the trained module whether the run trained (its state whole on every device, or split over
+    them) or had already finished; jdp.load reads a user's model from any checkpoint, of any strategy, onto one
+    device."""
+    ddp = fit(tmp_path / "ddp")
+    fsdp = fit(tmp_path / "fsdp", None, (), "parallel.strategy=fsdp")
+    again = fit(tmp_path / "ddp")  # already finished: nothing loaded but the model, when asked
+    x = data(8, 2)["x"]
+    want = np.asarray(ddp["model"](x))
+    assert isinstance(again["model"], MLP) and again["already_complete"] == 12
+    np.testing.assert_allclose(np.asarray(again["model"](x)), want, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(fsdp["model"](x)), want, rtol=1e-4, atol=1e-5)
+    early = jdp.load(tmp_path / "fsdp", lambda: MLP(nnx.Rngs(0)), step=4)
+    assert not np.allclose(np.asarray(early(x)), want, rtol=1e-3)  # step 4's parameters, not the last
+    last = jdp.load(tmp_path / "fsdp", MLP(nnx.Rngs(1)))  # the template's own values play no part
+    np.testing.assert_array_equal(np.asarray(last(x)), np.asarray(fsdp["model"](x)))
+    with pytest.raises(jdp.ConfigError, match="has no checkpoint at step 5"):
+        jdp.load(tmp_path / "ddp", MLP(nnx.Rngs(0)), step=5)
+
+
 def test_callbacks_own_their_cadence_and_see_the_state(tmp_path):
     seen = []
 
