@@ -242,9 +242,11 @@ COMMANDS = {
     "export": (
         _export,
         export_arguments,
-        "write a checkpoint as a Hugging Face GPT-2 (config.json + model.safetensors)",
-        "Restore RUN_DIR's newest checkpoint (or --step N) on one device, read-only, and write it in GPT-2's names "
-        "and shapes, with the run's tokenizer files if it used a Hugging Face tokenizer: "
+        "write a checkpoint as a Hugging Face model (config.json + model.safetensors)",
+        "Restore RUN_DIR's newest checkpoint (or --step N) on one device, read-only, and write it in the names and "
+        "shapes of its family's Hugging Face architecture (GPT-2 for model.arch=gpt; Llama, or Qwen2 with q/k/v "
+        "biases, or the architecture it was imported from, for model.arch=llama), with the run's tokenizer files "
+        "if it used a Hugging Face tokenizer: "
         "transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR) loads it unchanged.",
         "jdp export runs/gpt2-ft exported/gpt2-ft --step 1000",
     ),

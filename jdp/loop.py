@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -111,8 +112,11 @@ class Loop:
         run, t = self.run, self.t
         for callback in run.callbacks:
             callback.begin(self)
-        self.bar = tqdm(total=t.steps, initial=run.start, disable=not (self.is_main and t.progress), unit="step",
-                        dynamic_ncols=True, mininterval=1.0)  # fmt: skip
+        # On a terminal a progress bar; into a file or a pipe (a log), a plain line per logged step instead of the
+        # bar's carriage returns, which make one endless line of a log file
+        self.lines = self.is_main and t.progress and not sys.stderr.isatty()
+        self.bar = tqdm(total=t.steps, initial=run.start, disable=not (self.is_main and t.progress) or self.lines,
+                        unit="step", dynamic_ncols=True, mininterval=1.0)  # fmt: skip
         self.loader = Prefetcher(lambda i: (run.data.local_batch(i), run.data.position()), run.start, t.steps,
                                  run.cfg.data.prefetch)  # fmt: skip
         stop, run.phases.watchdog = StopAgreement(run.handle_signals), Watchdog(t.step_timeout_s)
@@ -194,12 +198,14 @@ class Loop:
                 f" the last at step {step}; the parameters were never updated with them and the newest checkpoint "
                 f"is step {self.newest_checkpoint_before(step)}. Lower optim.lr or check the data"
             )
+        tps = f"{self.meter.tps:,.0f}" if self.meter.tps else "-"
         if record := self.meter.record(step, m, self.loader.wait_s):
             self.notify("log", step)
             self.run.log.write(record)
             self.last.update(record)
-        tps = f"{self.meter.tps:,.0f}" if self.meter.tps else "-"
-        self.bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=tps, refresh=False)
+            if self.lines:
+                self.say(f"step {step}/{self.t.steps}: loss {m['loss']:.4f}, {self.run.unit}/s {tps}")
+        self.bar.set_postfix({"loss": f"{m['loss']:.4f}", f"{self.run.unit}/s": tps}, refresh=False)
         self.bar.update(1)
 
     def write(self, record: dict) -> None:

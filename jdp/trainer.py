@@ -490,11 +490,21 @@ def banner(cfg: Config, world: World, derived, model_line: str, data, run_dir, r
         derived.describe(),
         f"parallel.strategy={par.strategy} bucket_mb={par.bucket_mb:g} reduce_dtype={par.reduce_dtype}"
         f"{compression(par)} | "
-        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
+        f"XLA_FLAGS={shown_xla_flags(jax.devices()[0].platform)!r}",
         f"data {data.describe()}{epochs}",
         *(f"data | {line}" for line in data.describe_sources()),
         f"run dir {run_dir.path} | {where} | compile cache {cache or 'off (train.compile_cache=false)'}",
     ]
+
+
+def shown_xla_flags(platform: str) -> str:
+    """XLA_FLAGS for the banner: on CPUs without the GPU options jdp sets everywhere (unused there), counted."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    if platform != "cpu":
+        return " ".join(flags)
+    gpu = [f for f in flags if f.startswith("--xla_gpu_")]
+    kept = " ".join(f for f in flags if not f.startswith("--xla_gpu_"))
+    return kept + (f" (and {len(gpu)} --xla_gpu_* options, unused on CPUs)" if gpu else "")
 
 
 def compression(par) -> str:
