@@ -269,3 +269,21 @@ def test_hf_columns_read_from_arrow_equal_datasets_own_numpy_format():
         for k in expected:
             np.testing.assert_array_equal(got[k], expected[k])
             assert got[k].dtype == expected[k].dtype and got[k].shape == expected[k].shape
+
+
+def test_64_bit_integers_the_devices_would_wrap_are_refused_naming_the_column():
+    """JAX keeps integers in 32 bits unless jax_enable_x64 is on: int64 labels above 2^31 wrapped without a word
+    while the banner said int64. In-memory arrays are checked whole at construction, other sources per batch."""
+    import datasets
+
+    x = np.zeros((64, 2), np.float32)
+    y = np.arange(64, dtype=np.int64)
+    assert Loader({"x": x, "y": y}, 8).local_batch(0)["y"].dtype == np.int64  # in range: taken as it is
+    y[40] = 2**33
+    with pytest.raises(ConfigError, match=r"column 'y' holds 8589934592 \(int64\), beyond int32: .* wrap to 0"):
+        Loader({"x": x, "y": y}, 8)
+    batches = Loader(datasets.Dataset.from_dict({"x": x, "y": y}), 8, train=False).eval_batches()  # rows in order
+    for _ in range(5):
+        next(batches)  # rows 0-39: no such value
+    with pytest.raises(ConfigError, match=r"column 'y' holds 8589934592"):
+        next(batches)  # rows 40-47

@@ -259,7 +259,7 @@ class Loader(Source):
             batch = _check_collated(self.collate(self.source.rows(idx)), len(idx))
         else:
             batch = self.source.columns(idx)
-        return _unreserved(batch)
+        return _checked(batch)
 
     def local_batch(self, step: int) -> Batch:
         """This process's rows of global batch `step`, in global order."""
@@ -372,9 +372,9 @@ class StreamLoader(Source):
     def _collate(self, rows: list, idx: np.ndarray) -> Batch:
         cols = self._numpy(rows)
         if self.collate is not None:
-            return _unreserved(_check_collated(self.collate(_as_rows(cols, len(rows))), len(rows)))
+            return _checked(_check_collated(self.collate(_as_rows(cols, len(rows))), len(rows)))
         try:
-            return _unreserved(_stacked(cols, idx))
+            return _checked(_stacked(cols, idx))
         except ConfigError as e:
             if " row " not in str(e):  # only a shape or dtype that differs names rows
                 raise
@@ -652,6 +652,7 @@ class _ArrayRows:
             )
         for k, v in self.arrays.items():
             _require_numeric(k, v.dtype)
+        _checked(self.arrays)  # whole columns in memory: a value the devices would wrap is found before compiling
 
     def __len__(self) -> int:
         return len(next(iter(self.arrays.values()), ()))
@@ -689,12 +690,31 @@ class _IndexedRows:
 # ---------------------------------------------------------------------------------------------- checks
 
 
-def _unreserved(batch: Batch) -> Batch:
+def _checked(batch: Batch) -> Batch:
+    """What every batch a loader hands out is checked for: no column under jdp's reserved name, and no 64-bit
+    integer that the devices would wrap (JAX keeps integers in 32 bits unless jax_enable_x64 is on)."""
     if "valid" in batch:
         raise ConfigError(
             "the data has a column named 'valid', which jdp reserves for marking evaluation padding; rename it"
         )
+    for name, x in batch.items():
+        if x.dtype in (np.int64, np.uint64) and x.size:
+            narrow = np.iinfo(np.int32 if x.dtype == np.int64 else np.uint32)
+            if (x.min() < narrow.min or x.max() > narrow.max) and not _x64():
+                bad = x.flat[int(np.argmax((x < narrow.min) | (x > narrow.max)))]
+                raise ConfigError(
+                    f"column {name!r} holds {bad} ({x.dtype}), beyond {narrow.dtype}: JAX keeps integers in 32 bits "
+                    f"unless jax_enable_x64 is on, so it would wrap to {bad.astype(narrow.dtype)} on the devices. "
+                    f"Map the values into {narrow.dtype}'s range (e.g. label ids 0..K-1), or call "
+                    f"jax.config.update('jax_enable_x64', True) before anything runs"
+                )
     return batch
+
+
+def _x64() -> bool:
+    import jax
+
+    return bool(jax.config.read("jax_enable_x64"))
 
 
 def _require_numeric(name: str, dtype: np.dtype, collated: bool = False) -> None:
