@@ -227,7 +227,7 @@ def _tensors(path: Path) -> dict[str, Tensor]:
             if size < 8 or not 2 <= n <= size - 8:
                 raise ValueError(f"a header of {n} bytes in a file of {size}")
             header = json.loads(f.read(n))
-        start, tensors = 8 + n, {}
+        start, tensors, spans = 8 + n, {}, []
         for name, entry in header.items():
             if name == "__metadata__":
                 continue
@@ -237,9 +237,28 @@ def _tensors(path: Path) -> dict[str, Tensor]:
             if end - begin != math.prod(shape) * dtype.itemsize or not 0 <= begin <= end <= size - start:
                 raise ValueError(f"{name}'s data_offsets {[begin, end]} do not hold {entry['dtype']} {list(shape)}")
             tensors[name] = Tensor(dtype, shape, start + begin)
+            spans.append((begin, end, name))
+        _check_spans(spans, size - start)
     except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError and UnicodeDecodeError too
         raise ConfigError(f"{path}: not a readable safetensors file ({e})") from e
     return tensors
+
+
+def _check_spans(spans: list, data_bytes: int) -> None:
+    """The tensors' bytes tile the data exactly, as the safetensors library requires ("invalid offset"): no two
+    share bytes (an embedding pointing at the output layer's), none is left over."""
+    spans = sorted(spans)
+    for (_, end, before), (begin, stop, name) in zip(spans, spans[1:], strict=False):
+        if begin < end:
+            raise ValueError(f"{name}'s data_offsets {[begin, stop]} overlap {before}'s (invalid offset)")
+    at = 0
+    for begin, end, name in spans:
+        if begin != at:
+            raise ValueError(f"{name}'s data_offsets {[begin, end]} leave bytes {at}-{begin} to no tensor (invalid "
+                             f"offset)")  # fmt: skip
+        at = end
+    if at != data_bytes:
+        raise ValueError(f"the tensors end at byte {at} of the {data_bytes} data bytes (invalid offset)")
 
 
 class Weights:
@@ -357,6 +376,12 @@ def _placed_value(value: np.ndarray, slot: Slot, shape: tuple, m: ModelConfig, n
     dtype = jnp.dtype(m.param_dtype)
     expected = shape[::-1] if slot.transposed else shape  # in the file's layout
     vocab_rows = name in (arch.embedding, arch.tied_output) and value.ndim == 2 and value.shape[1:] == expected[1:]
+    if vocab_rows and value.shape[0] < (ids := m.vocab_valid or m.vocab_size) <= expected[0]:
+        raise ConfigError(
+            f"{path}: {name} has {value.shape[0]} rows, but config.json's vocab_size is {ids}: ids "
+            f"{value.shape[0]}-{ids - 1} would get zero rows that still get probability; config.json and the tensors "
+            f"disagree: give vocab_size {value.shape[0]} in config.json, or the whole tensor"
+        )
     if vocab_rows and value.shape[0] < expected[0]:  # a vocabulary padded for speed
         padded = np.zeros(expected, dtype)
         padded[: value.shape[0]] = value

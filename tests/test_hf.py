@@ -175,6 +175,28 @@ def test_bad_directories_and_mismatched_configs_are_clear_errors(tmp_path):
         imported(path=missing)
 
 
+def test_files_that_disagree_with_themselves_are_refused_not_loaded(tmp_path):
+    """A config.json vocab_size over fewer embedding rows loaded, the missing ids zero rows that got probability; a
+    header whose data_offsets overlap (one tensor reading another's bytes) loaded and trained. Both refused, as
+    the safetensors library refuses the second."""
+    wide = _copy_with(tmp_path / "wide", config={"vocab_size": V + 20})
+    with pytest.raises(ConfigError, match=rf"wte.weight has {V} rows, but config.json's vocab_size is {V + 20}"):
+        imported(hf.adopt(ModelConfig(), wide).model, wide)
+    shared = _copy_with(tmp_path / "shared")
+    raw = (shared / hf.WEIGHTS).read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    header["transformer.h.0.ln_1.bias"]["data_offsets"] = header["transformer.h.0.ln_1.weight"]["data_offsets"]
+    text = json.dumps(header, separators=(",", ":")).encode().ljust(n)  # as long as before: no offset moves
+    assert len(text) == n
+    (shared / hf.WEIGHTS).write_bytes(raw[:8] + text + raw[8 + n :])
+    with pytest.raises(Exception, match="(?i)invalid.?offset"):
+        with safe_open(str(shared / hf.WEIGHTS), "np") as f:
+            [f.get_tensor(k) for k in f.keys()]
+    with pytest.raises(ConfigError, match=r"h.0.ln_1.(bias|weight)'s data_offsets .* overlap .* \(invalid offset\)"):
+        imported(path=shared)
+
+
 def _import_config(overrides=(), path=FIXTURE):
     """checked_import of `jdp train tiny train.init_from=PATH data.tokenizer=PATH OVERRIDES...`."""
     from jdp.config import explicit_keys, load_config
