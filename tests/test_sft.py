@@ -118,6 +118,31 @@ def test_examples_that_lose_every_answer_to_truncation_are_refused_before_traini
         load_data(cfg, 320, batch_size=4, seed=0)
 
 
+def test_examples_without_an_answer_are_refused_or_counted_never_trained_silently(tmp_path, capsys):
+    """`completion: null` trained an empty answer (the end-of-document token alone) without a word, and so did data
+    whose every answer was empty; an integer completion or a conversation that is not a list was a traceback."""
+
+    def load(rows, name, fmt="prompt"):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        cfg = DataConfig(source=str(path), format=fmt, seq_len=64, val_tokens=0, cache_dir=str(tmp_path / name),
+                         chat_template=str(template_file(tmp_path)) if fmt == "chat" else "")  # fmt: skip
+        return load_data(cfg, 320, batch_size=2, seed=0)
+
+    good = [{"prompt": f"q{i}", "completion": f"a{i}"} for i in range(40)]
+    with pytest.raises(ConfigError, match=r"example 3: completion is None, not text \(an example without an answer"):
+        load([*good[:3], {"prompt": "q", "completion": None}, *good[3:]], "null")
+    with pytest.raises(ConfigError, match=r"example 0: completion is 7, not text"):
+        load([{"prompt": "q", "completion": 7}, *good], "int")
+    with pytest.raises(ConfigError, match="every completion is empty, so there is no answer to learn"):
+        load([{"prompt": f"q{i}", "completion": ""} for i in range(8)], "empty")
+    capsys.readouterr()
+    load([*good, {"prompt": "q", "completion": " "}], "some")
+    assert "1 of 41 examples have an empty completion (examples 40)" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"example 1: messages is 'hi', not a list of \{role, content\}"):
+        load([{"messages": CHAT}, {"messages": "hi"}, *[{"messages": CHAT}] * 6], "chat", "chat")
+
+
 def test_the_wrong_format_names_the_columns_and_the_fix(tmp_path):
     source = chats(tmp_path / "chat.jsonl", 10)
     cfg = DataConfig(source=str(source), cache_dir=str(tmp_path / "cache"))

@@ -206,13 +206,30 @@ def pack(examples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, eod_id: in
 
 
 def _examples(ds, tokenizer, cfg: DataConfig, template: ChatTemplate | None, where: str) -> list:
-    out = []
+    out, empty = [], []
     for i, row in enumerate(ds):
         at = f"data.source={cfg.source}{where}, example {i}"
         if cfg.format == "chat":
-            out.append(chat_example(row["messages"], template, tokenizer, at))
-        else:
-            out.append(prompt_example(row["prompt"], row["completion"], tokenizer))
+            if not isinstance(messages := row["messages"], list):
+                raise ConfigError(f"{at}: messages is {messages!r:.80}, not a list of {{role, content}} mappings")
+            out.append(chat_example(messages, template, tokenizer, at))
+            continue
+        for key in ("prompt", "completion"):
+            if not isinstance(row[key], str) and not (key == "prompt" and row[key] is None):  # no prompt: ""
+                raise ConfigError(
+                    f"{at}: {key} is {row[key]!r:.80}, not text"
+                    + (" (an example without an answer would train only the end-of-document token: give it one "
+                       "or drop the example)" if key == "completion" and row[key] is None else "")
+                )  # fmt: skip
+        if not row["completion"].strip():
+            empty.append(i)
+        out.append(prompt_example(row["prompt"], row["completion"], tokenizer))
+    if empty and len(empty) == len(out):
+        raise ConfigError(f"data.source={cfg.source}{where}: every completion is empty, so there is no answer to learn")
+    if empty:
+        log.warning(f"data.source={cfg.source}{where}: {len(empty)} of {len(out)} examples have an empty completion "
+                    f"(examples {', '.join(map(str, empty[:5]))}{', ...' if len(empty) > 5 else ''}): each trains "
+                    f"only the end-of-document token")  # fmt: skip
     return out
 
 
