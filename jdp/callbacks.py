@@ -170,9 +170,20 @@ def imported(spec: str) -> list[Callback]:
             module = importlib.import_module(module_name)
         except ImportError as e:
             raise ConfigError(f"{where}: cannot import {module_name!r} ({e}); is it on PYTHONPATH?") from e
+        except SyntaxError as e:
+            raise ConfigError(f"{where}: {e.filename}, line {e.lineno}: {e.msg} (a syntax error in the module)") from e
+        except Exception as e:
+            raise ConfigError(f"{where}: importing {module_name!r} raised {type(e).__name__}: {e}") from e
         if not callable(factory := getattr(module, attr, None)):
             raise ConfigError(f"{where}: module {module_name!r} has no callable {attr!r}")
-        if not isinstance(callback := factory(), Callback):
+        try:
+            callback = factory()
+        except TypeError as e:
+            raise ConfigError(
+                f"{where}: {item}() cannot be called without arguments ({e}); name a Callback subclass or a function "
+                f"of no arguments that returns one"
+            ) from e
+        if not isinstance(callback, Callback):
             raise ConfigError(
                 f"{where}: {item}() returned a {type(callback).__name__}, not a jdp.Callback (subclass jdp.Callback)"
             )

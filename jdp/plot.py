@@ -28,15 +28,16 @@ def load_run(run_dir: Path) -> dict[str, list]:
     evals = [r for r in records if r.get("eval_loss") is not None]
     if not train:
         raise ConfigError(f"{path} has no training records yet")
-    tokens_per_step = train[-1]["tokens"] / train[-1]["step"]
+    counted = all(isinstance(r.get("tokens"), (int, float)) for r in train)  # else no loss-by-tokens curve
+    tokens_per_step = train[-1]["tokens"] / train[-1]["step"] if counted else 0
     return {
         "step": [r["step"] for r in train],
-        "tokens": [r["tokens"] for r in train],
+        "tokens": [r["tokens"] for r in train] if counted else [],
         "loss": [r["loss"] for r in train],
         "tps_step": [r["step"] for r in train if r.get("tokens_per_sec")],
         "tps": [r["tokens_per_sec"] for r in train if r.get("tokens_per_sec")],
         "eval_step": [r["step"] for r in evals],
-        "eval_tokens": [r["step"] * tokens_per_step for r in evals],
+        "eval_tokens": [r["step"] * tokens_per_step for r in evals] if counted else [],
         "eval_loss": [r["eval_loss"] for r in evals],
     }
 
@@ -54,6 +55,8 @@ def figure(run_dirs: list[Path]) -> Figure:
     for i, (d, r) in enumerate(runs.items()):
         color, name = f"C{i}", _label(d, run_dirs)
         for ax, x, ex in ((by_step, "step", "eval_step"), (by_tokens, "tokens", "eval_tokens")):
+            if not r[x]:
+                continue  # records without a token count (written before jdp counted them): by step only
             ax.plot(r[x], r["loss"], color=color, label=f"{name} train")
             if r["eval_loss"]:
                 ax.plot(r[ex], r["eval_loss"], "o--", color=color, label=f"{name} validation")
@@ -77,8 +80,13 @@ def plot(run_dirs: list[Path], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig = figure(run_dirs)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=110)
+    except OSError as e:
+        plt.close(fig)
+        raise ConfigError(f"cannot write {out}: {e.strerror or e} ({e.filename or out.parent}); give -o a writable "
+                          f"FILE.png") from None  # fmt: skip
     plt.close(fig)
     return out
 
@@ -98,6 +106,10 @@ def _label(run_dir: Path, all_dirs: list[Path]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = args.out or RunDir(args.run_dirs[0]).plot
+    out = Path(args.out) if args.out else RunDir(args.run_dirs[0]).plot
+    if out.is_dir():
+        out = out / "plot.png"  # -o DIR: a file in it (matplotlib would write DIR.png and the message say DIR)
+    elif not out.suffix:
+        out = out.with_suffix(".png")  # what matplotlib writes for a name without one: say so
     print(f"jdp plot: wrote {plot(args.run_dirs, out)}")
     return 0

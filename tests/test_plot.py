@@ -58,3 +58,34 @@ def test_count_label_writes_counts_with_a_unit():
     assert [count_label(x) for x in (0, 25, 1500, 200_000, 1_250_000, 2e9, 3e12)] == [
         "0", "25", "1.5k", "200k", "1.25M", "2B", "3T",
     ]  # fmt: skip
+
+
+def test_where_the_plot_goes_is_what_jdp_plot_says_and_a_bad_place_is_one_line(tmp_path):
+    """`-o DIR` said `wrote DIR` but wrote DIR.png; `-o FILE/plot.png` and records without a token count were
+    tracebacks."""
+    import os
+    import subprocess
+    import sys
+
+    run = fake_run(tmp_path / "run", 200, 4096, every=10)
+
+    def plot(*args):
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        return subprocess.run([sys.executable, "-m", "jdp.cli", "plot", str(run), *args], capture_output=True,
+                              text=True, timeout=120, env=env)  # fmt: skip
+
+    (tmp_path / "figs").mkdir()
+    out = plot("-o", str(tmp_path / "figs"))
+    assert out.returncode == 0 and f"wrote {tmp_path / 'figs' / 'plot.png'}" in out.stdout, out.stderr[-2000:]
+    assert (tmp_path / "figs" / "plot.png").stat().st_size > 1000
+    out = plot("-o", str(tmp_path / "noext"))
+    assert out.returncode == 0 and f"wrote {tmp_path / 'noext.png'}" in out.stdout and (tmp_path / "noext.png").exists()
+    (tmp_path / "afile").write_text("x")
+    out = plot("-o", str(tmp_path / "afile" / "plot.png"))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.startswith(f"jdp: error: cannot write {tmp_path / 'afile' / 'plot.png'}: "), out.stderr
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in json.loads(line).items() if k != "tokens"})
+                                               + "\n" for line in lines))  # fmt: skip
+    out = plot("-o", str(tmp_path / "untokened.png"))
+    assert out.returncode == 0 and (tmp_path / "untokened.png").exists(), out.stderr[-2000:]

@@ -155,6 +155,23 @@ def test_a_callback_named_in_the_config_sees_every_batch_and_the_loops_named_poi
         assert not (tmp_path / "bad").exists()  # refused before anything ran
 
 
+def test_a_named_callback_module_that_cannot_load_is_one_config_error(tmp_path, monkeypatch):
+    """A syntax error, a module that raises on import, a factory that needs arguments: tracebacks before, now each a
+    ConfigError naming the spec and what went wrong."""
+    (tmp_path / "broken.py").write_text("def f(:\n    pass\n")
+    (tmp_path / "raising.py").write_text("raise RuntimeError('no GPU here')\n")
+    (tmp_path / "needy.py").write_text("import jdp\n\nclass Needs(jdp.Callback):\n    def __init__(self, n):\n"
+                                       "        self.n = n\n")  # fmt: skip
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for spec, message in [
+        ("broken:f", r".*broken.py, line 1: .*\(a syntax error in the module\)"),
+        ("raising:X", "importing 'raising' raised RuntimeError: no GPU here"),
+        ("needy:Needs", r"needy:Needs\(\) cannot be called without arguments \(.*missing 1 required"),
+    ]:
+        with pytest.raises(jdp.ConfigError, match=f"train.callbacks='{spec}': {message}"):
+            jdp.callbacks.imported(spec)
+
+
 def test_bad_input_is_refused_before_anything_runs(tmp_path):
     with pytest.raises(jdp.ConfigError, match="train.run_dir is empty"):
         jdp.Trainer(MLP(nnx.Rngs(0)), mse, optax.adam(1e-2), data(64, 0), jdp.Config())
