@@ -491,7 +491,8 @@ def mixture_problems(d: DataConfig) -> list[str]:
     for i, entry in enumerate(d.sources):
         w = entry.get("weight", 1.0)
         if not (math.isfinite(w) and w > 0):
-            problems.append(f"data.sources: source {i + 1} ({entry['source']}) has weight {w}; weights must be > 0")
+            problems.append(f"data.sources: source {i + 1} ({entry['source']}) has weight {w}; weights must be > 0 "
+                            f"and finite (the shares are the weights over their sum)")  # fmt: skip
         for k, v in entry.items():
             name = f"data.{k}"
             if name in CHOICES and v not in (choices := choices_of(name)):

@@ -388,7 +388,7 @@ def _placed_value(value: np.ndarray, slot: Slot, shape: tuple, m: ModelConfig, n
         value = padded
     if value.shape != expected:
         where = ".".join(map(str, slot.path))
-        needs = f", which is {expected} transposed" if slot.transposed else ""
+        needs = f", which is {expected} transposed" if slot.transposed and expected != shape else ""
         raise ConfigError(f"{path}: {name} has shape {value.shape}; jdp's {where} is {shape}{needs}")
     return (value.T if slot.transposed else value).astype(dtype, copy=False)
 

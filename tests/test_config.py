@@ -499,6 +499,23 @@ def test_a_config_file_that_is_not_utf8_is_one_error_line_for_train_and_plan(tmp
                                                    f"at byte 24); save it as UTF-8"], out.stderr  # fmt: skip
 
 
+def test_an_option_the_strategy_does_not_read_and_an_infinite_weight_are_named_as_such():
+    """parallel.shard_size (hsdp's) under fsdp was ignored without a word; `weight: inf` was told it must be > 0."""
+    cases = {
+        ("parallel.strategy=fsdp", "parallel.shard_size=2"):
+            "parallel.shard_size=2 is an option of hsdp, which parallel.strategy=fsdp does not read",
+        ("parallel.strategy=zero1", "parallel.reshard_after_forward=false"):
+            "parallel.reshard_after_forward=False is an option of fsdp and hsdp, which parallel.strategy=zero1 does "
+            "not read: leave it out, or set parallel.strategy=fsdp",
+        ("data.sources=[{source: a, weight: .inf}, {source: b}]",): "has weight inf; weights must be > 0 and finite",
+    }  # fmt: skip
+    for overrides, message in cases.items():
+        with pytest.raises(ConfigError) as e:
+            validate(load_config(None, [*overrides, "train.run_dir=x"]), 4)
+        assert message in str(e.value), (overrides, str(e.value))
+    validate(load_config(None, ["parallel.strategy=hsdp", "parallel.shard_size=2", "train.run_dir=x"]), 4)
+
+
 def test_bad_input_ends_jdp_train_with_exit_2_and_the_message_not_a_traceback(tmp_path):
     """What a user sees: `jdp train` exits 2 with one clear message, before any compilation, for a bad number, a
     file that is not UTF-8, and a data path that does not exist."""

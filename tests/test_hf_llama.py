@@ -460,3 +460,20 @@ def test_transformers_loads_a_fine_tunes_export(finetuned):
     pytest.importorskip("transformers", reason="the live check needs transformers (.[hf])")
     model, _ = hf.load_model(hf.model_config(out), out)
     _live_check(out, inputs, np.asarray(model(inputs)), f"{path.name} fine-tuned")
+
+
+def test_a_square_tensor_of_the_wrong_shape_is_named_without_a_transpose_that_changes_nothing(tmp_path):
+    """`has shape (16, 17); jdp's ... is (16, 16), which is (16, 16) transposed` read as nonsense: a square
+    parameter's message names its shape once."""
+    d = _copy(tmp_path, LLAMA)
+    with safe_open(str(d / hf.WEIGHTS), "np") as f:
+        weights = {k: f.get_tensor(k) for k in f.keys()}
+    name = "model.layers.0.self_attn.v_proj.weight"
+    rows, cols = weights[name].shape
+    assert rows == cols  # square in this model
+    weights[name] = np.zeros((rows, cols + 1), weights[name].dtype)
+    save_file(weights, str(d / hf.WEIGHTS))
+    with pytest.raises(ConfigError) as e:
+        hf.load_model(hf.model_config(d), d)
+    assert f"has shape ({rows}, {cols + 1}); jdp's blocks.0.attn.v.kernel is ({rows}, {cols})" in str(e.value)
+    assert "transposed" not in str(e.value)

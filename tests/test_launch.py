@@ -177,6 +177,16 @@ def test_launch_refuses_bad_options(env):
     assert out.returncode == 2 and "3 GPUs do not split evenly" in out.stderr
 
 
+def test_launch_names_the_option_that_is_wrong_first(env):
+    """`--nproc-per-node 0` led with `--node-rank 0 must be in [0, --nnodes 1)`, which was right."""
+    out = jdp(["launch", "--nproc-per-node", "0", "--", "train"], env, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith("jdp launch: error: --nproc-per-node 0: start at least 1")
+    assert "--node-rank" not in out.stderr
+    out = jdp(["launch", "--nproc-per-node", "1", "--node-rank", "3", "--", "train"], env, timeout=60)
+    assert out.returncode == 2 and "--node-rank 3 must be in [0, --nnodes 1)" in out.stderr, out.stderr[-2000:]
+
+
 def test_cpu_workers_get_disjoint_core_sets():
     from jdp.job.launch import cpu_groups
 

@@ -150,6 +150,10 @@ def test_the_wrong_format_names_the_columns_and_the_fix(tmp_path):
         load_data(cfg, 320, batch_size=4, seed=0)
     with pytest.raises(ConfigError, match="needs a chat template"):
         load_data(DataConfig(source=str(source), format="chat", cache_dir=str(tmp_path / "c")), 320, 4, 0)
+    missing = DataConfig(source=str(source), format="chat", chat_template=str(tmp_path / "chat.jinja"),
+                         tokenizer=str(TINY_TOKENIZER), cache_dir=str(tmp_path / "m"))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"data.chat_template=.*chat.jinja: no such file"):  # not "the tokenizer has
+        load_data(missing, 320, 4, 0)  # no template"
     with pytest.raises(ConfigError, match="streamed fine-tuning data is not supported"):
         validate(load_config(None, ["data.format=chat", "data.streaming=true"]), 1)
 

@@ -77,6 +77,11 @@ class ChatTemplate:
             path = path / "tokenizer_config.json"
         elif not cfg.chat_template and path.is_file():  # data.tokenizer=.../tokenizer.json: its directory's
             path = path.with_name("tokenizer_config.json")
+        if cfg.chat_template and not path.is_file():
+            raise ConfigError(
+                f"data.chat_template={cfg.chat_template}: no such file; give a .jinja file or a tokenizer_config.json "
+                f"that holds a chat_template"
+            )
         if cfg.tokenizer == "byte" and not cfg.chat_template or not path.is_file():
             raise ConfigError(
                 f"data.format=chat needs a chat template: data.tokenizer={cfg.tokenizer} "

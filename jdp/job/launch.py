@@ -373,8 +373,13 @@ def launch(args, command: list[str]) -> int:
             "or -- python my_training.py"
         )
     args.min_nodes, args.nnodes = nodes_range(args.nnodes)
-    if args.nproc_per_node < 1 or args.min_nodes < 1 or not 0 <= args.node_rank < args.nnodes:
-        raise LaunchError(f"--node-rank {args.node_rank} must be in [0, --nnodes {args.nnodes}); --nproc-per-node >= 1")
+    if args.nproc_per_node < 1:
+        raise LaunchError(f"--nproc-per-node {args.nproc_per_node}: start at least 1 worker on this node (its GPUs' "
+                          f"number, or the processes to simulate on a CPU)")  # fmt: skip
+    if args.min_nodes < 1:
+        raise LaunchError(f"--nnodes {args.min_nodes}: a job needs at least 1 node")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise LaunchError(f"--node-rank {args.node_rank} must be in [0, --nnodes {args.nnodes})")
     if args.nnodes > 1 and not args.coordinator:
         raise LaunchError("--nnodes > 1 needs --coordinator HOST:PORT (an address of node 0 that every node reaches)")
     if args.min_nodes < args.nnodes and not getattr(args, "rdzv_dir", None):

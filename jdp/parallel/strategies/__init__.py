@@ -16,6 +16,7 @@ elsewhere (docs/planning.md).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
@@ -60,7 +61,7 @@ class Strategy:
     def problems(self, parallel: Any, n_processes: int, n_devices: int = 0) -> list[str]:
         """What is wrong with running it as `parallel` (the config's section) on `n_processes` processes and
         `n_devices` devices."""
-        out = []
+        out = self._foreign_options(parallel)
         k = getattr(parallel, "shard_size", 0)
         if self.groups and n_devices and (k < 1 or n_devices % k):
             fits = [d for d in range(1, n_devices + 1) if n_devices % d == 0]
@@ -78,6 +79,21 @@ class Strategy:
                 f"parallel.compression={parallel.compression} compresses ddp's gradient all-reduces; "
                 f"parallel.strategy={self.name} has none (use parallel.strategy=ddp, or parallel.compression=none)"
             )
+        return out
+
+    def _foreign_options(self, parallel: Any) -> list[str]:
+        """Another strategy's options set away from their defaults: ignored by this one, so refused (a
+        parallel.shard_size meant for hsdp under fsdp would be dropped without a word)."""
+        if not dataclasses.is_dataclass(parallel):
+            return []
+        default, out = type(parallel)(), []
+        for key in dict.fromkeys(k for s in REGISTRY.values() for k in s.options if k not in self.options):
+            if getattr(parallel, key) != getattr(default, key):
+                owners = [s.name for s in REGISTRY.values() if key in s.options]
+                out.append(
+                    f"parallel.{key}={getattr(parallel, key)} is an option of {' and '.join(owners)}, which "
+                    f"parallel.strategy={self.name} does not read: leave it out, or set parallel.strategy={owners[0]}"
+                )
         return out
 
     def options_of(self, parallel: Any) -> dict:
