@@ -21,7 +21,7 @@ from jax.experimental import multihost_utils
 
 from jdp.config import Config, ConfigError
 from jdp.log import logger
-from jdp.rundir import RunDir, RunDirEscape
+from jdp.rundir import RunDir
 
 __all__ = [
     "RESUMABLE_CHANGES",
@@ -539,10 +539,7 @@ def load(run_dir: str | Path, model, step: int | None = None, *, with_step: bool
     written it: only the model is read, no optimizer state, checked against the checksums saved with it.
     `with_step=True` returns (step, model)."""
     run = RunDir(run_dir)
-    try:
-        run.check_contained()
-    except RunDirEscape as e:
-        raise ConfigError(str(e)) from None
+    run.check_contained()
     if not run.checkpoints.is_dir():
         raise ConfigError(f"{run_dir} has no checkpoint yet (no {run.checkpoints}); train it first")
     if callable(model) and not isinstance(model, nnx.Module):

@@ -15,7 +15,7 @@ from jdp.config import Config, ConfigError, DataConfig, load_config
 from jdp.data.tokens import ByteTokenizer, HFTokenizer, load_tokenizer
 from jdp.log import logger
 from jdp.models import make_model
-from jdp.rundir import RunDir, RunDirEscape
+from jdp.rundir import RunDir
 
 __all__ = [
     "Tokenizer",
@@ -63,10 +63,7 @@ def load_run(run_dir: str | Path, step: int | None = None) -> tuple[Config, nnx.
     state), onto the one device, and verified against the checksums saved with it (Checkpoints.restore_model).
     """
     run = RunDir(run_dir)
-    try:
-        run.check_contained()
-    except RunDirEscape as e:
-        raise ConfigError(str(e)) from None
+    run.check_contained()
     if not run.config.is_file():
         hint = " (or a Hugging Face model directory: config.json + model.safetensors)" if step is None else ""
         raise ConfigError(

@@ -12,6 +12,8 @@ import threading
 import time
 from pathlib import Path
 
+from jdp.errors import ConfigError
+
 __all__ = ["RunDir", "RunDirEscape", "RunDirInUse", "RunLock"]
 
 
@@ -163,8 +165,8 @@ class RunDir:
                 return
 
 
-class RunDirEscape(ValueError):
-    """A link inside the run directory leads out of it."""
+class RunDirEscape(ConfigError):
+    """A link inside the run directory leads out of it: input that cannot run, refused before anything is read."""
 
 
 class RunDirInUse(RuntimeError):

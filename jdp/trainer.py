@@ -60,7 +60,7 @@ from jdp.metrics import (
 )
 from jdp.parallel import strategies
 from jdp.parallel.comm_hooks import CommHook
-from jdp.rundir import RunDir, RunDirEscape, RunDirInUse, RunLock
+from jdp.rundir import RunDir, RunDirInUse, RunLock
 
 __all__ = ["FitResult", "RunError", "Trainer"]
 
@@ -176,7 +176,8 @@ class Trainer:
 
     def fit(self) -> dict:
         """Train to train.steps (or resume there); returns the last metrics and eval_loss, the final state and
-        graphdef, and `["model"]`, the trained module, on every path (FitResult). Errors: ConfigError for bad input (before any compute), RunError naming the phase otherwise."""
+        graphdef, and `["model"]`, the trained module, on every path (FitResult). Errors: ConfigError for bad input
+        (before any compute), RunError naming the phase otherwise."""
         cfg = self.cfg
         world = self.world
         if world is None:
@@ -193,10 +194,7 @@ class Trainer:
         lock, peers = RunLock(run_dir), PeerMonitor()
         created = run_dir.missing_dirs() if jax.process_index() == 0 else []  # removed again if the run never starts
         try:
-            try:
-                run_dir.check_contained()
-            except RunDirEscape as e:
-                raise ConfigError(str(e)) from None
+            run_dir.check_contained()
             mesh = self.mesh if self.mesh is not None else parallel.mesh_for(self.cfg.parallel)
             derived = self.check(mesh)  # before the run directory is made: a bad config leaves nothing behind
             if (complete := hold(lock, run_dir, cfg)) is not None:
