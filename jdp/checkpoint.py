@@ -30,12 +30,15 @@ __all__ = [
     "SaveFailed",
     "abstract",
     "check_param_shapes",
+    "check_data",
     "check_resumable",
     "checksums",
     "config_differences",
+    "data_changes",
     "make_record",
     "saved_comm",
     "saved_data_state",
+    "saved_fingerprint",
     "saved_layout",
     "verify",
 ]
@@ -58,6 +61,8 @@ RESUMABLE_CHANGES = {
     "parallel.powersgd_min_ratio", "parallel.powersgd_uncompressed",
     # A resumed run starts from its own checkpoint: where its first weights came from no longer matters.
     "train.init_from",
+    # Whether a resume may go on over changed data: it is checked against the data, not the saved config.
+    "data.accept_changes",
 }  # fmt: skip
 
 
@@ -495,6 +500,11 @@ def saved_data_state(record: dict) -> dict | None:
     return record.get("data", {}).get("state")
 
 
+def saved_fingerprint(record: dict) -> dict | None:
+    """What the record keeps of what the data was (Source.fingerprint), or None (an earlier jdp wrote it)."""
+    return record.get("data", {}).get("fingerprint")
+
+
 def make_record(
     cfg: Config,
     step: int,
@@ -503,6 +513,7 @@ def make_record(
     comm: dict | None = None,
     param_shapes: list | None = None,
     data_state: dict | None = None,
+    fingerprint: dict | None = None,
 ) -> dict:
     """A checkpoint's JSON record beside its arrays: what resuming checks and needs besides the train state (the
     config it was trained with, where the data stood, how the optimizer state is laid out, the hook's state)."""
@@ -510,7 +521,8 @@ def make_record(
         "step": step,
         "config": json.loads(json.dumps(cfg.to_dict())),
         # global batch s is a pure function of (seed, s) and, for a mixture, of its schedule (mixture.py)
-        "data": {"seed": cfg.train.seed, "step": step, **({"state": data_state} if data_state is not None else {})},
+        "data": {"seed": cfg.train.seed, "step": step, **({"state": data_state} if data_state is not None else {}),
+                 **({"fingerprint": fingerprint} if fingerprint is not None else {})},
         "rng": "model random streams (dropout) derive from the keys in the state, the step and the device or row; "
         "data order from (train.seed, step)",
         "optimizer_layout": optimizer_layout,
@@ -529,6 +541,48 @@ def check_resumable(record: dict, cfg: Config) -> None:
             + "\n  ".join(differences)
             + "\nUse the saved values, or a new train.run_dir (or train.resume=false) to start a new run"
         )
+
+
+def data_changes(record: dict, fingerprint: dict | None) -> list[str]:
+    """What differs between the data a checkpoint was trained on (its record's fingerprint) and today's, one
+    line per source that changed; [] when nothing did or either side is not known (an older record, a loader jdp
+    cannot digest)."""
+    saved = saved_fingerprint(record)
+    if saved is None or fingerprint is None:
+        return []
+    out = []
+    for label in [*saved, *(k for k in fingerprint if k not in saved)]:
+        old, new = saved.get(label), fingerprint.get(label)
+        if old == new:
+            continue
+        name = f"source {label!r}" if label else "the data"
+        if old is None or new is None:
+            out.append(f"{name}: {'not in the checkpoint' if old is None else 'gone'}")
+            continue
+        keys = [*old, *(k for k in new if k not in old)]
+        out.append(f"{name}: " + ", ".join(f"{k} {_shown(old.get(k))} -> {_shown(new.get(k))}"
+                                         for k in keys if old.get(k) != new.get(k)))  # fmt: skip
+    return out
+
+
+def _shown(value) -> str:
+    return f"{value:,}" if isinstance(value, int) else "none" if value is None else str(value)
+
+
+def check_data(record: dict, fingerprint: dict | None, cfg: Config) -> None:
+    """Refuse to resume over data that changed since the checkpoint (data.accept_changes=true goes on)."""
+    if cfg.data.accept_changes or not (changes := data_changes(record, fingerprint)):
+        return
+    what = "data.sources" if cfg.data.sources else f"data.source={cfg.data.source}"
+    raise ConfigError(
+        f"refusing to resume: the training data ({what}) changed since the checkpoint at step {record['step']}:\n  "
+        + "\n  ".join(changes)
+        + "\nThe documents held out for validation and the order of windows follow from the data, so going on would "
+        f"train on some windows twice and skip others in this epoch, and could validate on documents already "
+        f"trained on. Put the data back as it was, start a new run (a new train.run_dir, or train.resume=false), or "
+        f"set data.accept_changes=true to go on from step {record['step']} with the new data "
+        f"(docs/data.md#changed-data)"
+    )
 
 
 def load(run_dir: str | Path, model, step: int | None = None, *, with_step: bool = False):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from jdp.config import ConfigError, split_config_args
 from jdp.hardware import DEFAULT_MFU, GPUS, INTERCONNECTS
-from jdp.log import install, logger
+from jdp.log import PLAIN, install, logger
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jdp.job.process import flush_every_line, tolerate_broken_pipes
+    from jdp.job.process import INTERRUPTED_EXIT, flush_every_line, tolerate_broken_pipes
 
     flush_every_line()  # each line reaches a file when printed, even if the process is then killed
     tolerate_broken_pipes()  # output to a reader that is gone is dropped; the command goes on
@@ -300,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         log.error(str(e))
         return 2
+    except KeyboardInterrupt as e:  # Ctrl-C before the loop took the signals over (it stops at a step and saves)
+        log.info(f"interrupted while {getattr(e, 'phase', 'starting')}", extra=PLAIN)
+        return INTERRUPTED_EXIT
 
 
 if __name__ == "__main__":

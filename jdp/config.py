@@ -75,6 +75,9 @@ class DataConfig:
     format: str = "text"
     chat_template: str = ""  # data.format=chat: a .jinja file or tokenizer_config.json; "": data.tokenizer's own
     overlong: str = "truncate"  # a fine-tuning example longer than a window: truncate or drop it (counted either way)
+    # Resume although the data changed since the checkpoint (its fingerprint differs): refused by default, since
+    # the held-out documents and the window order follow from the data (docs/data.md#changed-data)
+    accept_changes: bool = False
 
     @property
     def within_documents(self) -> bool:

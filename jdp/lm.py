@@ -140,6 +140,10 @@ class Text(Source):
     def restore(self, saved: dict, step: int) -> str:
         return self.train.restore(saved, step)
 
+    def fingerprint(self) -> dict[str, dict] | None:
+        """Each source's token streams (or a stream's files), by label: what a resume checks has not changed."""
+        return self.data.fingerprint()
+
     def eval_sets(self) -> list[tuple[str, object]]:
         """The validation sets (a mixture's: one per source with validation windows), each (label, its batches)."""
         return [(label, map(self.documents, batches)) for label, batches in self.data.eval_sets()]

@@ -36,9 +36,11 @@ class Phases:
         self.started = time.time()
         self.spent = dict.fromkeys(GOODPUT_PARTS, 0.0)
         self.watchdog: Watchdog | None = None
+        self.check: Callable[[], None] = lambda: None  # raises an interrupt dropped since the last phase began
 
     @contextmanager
     def __call__(self, name: str, account: str | None = None, pause_watchdog: bool = False) -> Iterator[None]:
+        self.check()
         self.now = name
         paused = self.watchdog.paused() if pause_watchdog and self.watchdog else _nothing()
         start = time.time()

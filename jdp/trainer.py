@@ -8,10 +8,13 @@ metrics and trackers, goodput and the progress bar. docs/library.md shows it bes
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,13 +30,16 @@ from jdp import jax_private, parallel
 from jdp.callbacks import Callback, Checkpoint, Evaluate, ReplicaCheck, imported
 from jdp.checkpoint import (
     Checkpoints,
+    check_data,
     check_param_shapes,
     check_resumable,
     config_differences,
+    data_changes,
     load,
     make_record,
     saved_comm,
     saved_data_state,
+    saved_fingerprint,
     saved_layout,
 )
 from jdp.config import Config, ConfigError, Derived, save_config, validate
@@ -41,7 +47,7 @@ from jdp.data.corpus import cache_root
 from jdp.data.dataset import Source, source_for
 from jdp.job.coordination import PeerMonitor, announce_departure, describe_hosts, first_departure, publish_host
 from jdp.job.join import initialize
-from jdp.job.process import watch_launcher
+from jdp.job.process import Interrupted, StartupInterrupts, watch_launcher
 from jdp.job.world import World, WorldError, resolve_world
 from jdp.job.xla import keep_scratch_memory, use_compilation_cache
 from jdp.log import PLAIN, logger, set_rank
@@ -193,13 +199,15 @@ class Trainer:
         phases, run_dir = Phases(), RunDir(cfg.train.run_dir)
         lock, peers = RunLock(run_dir), PeerMonitor()
         created = run_dir.missing_dirs() if jax.process_index() == 0 else []  # removed again if the run never starts
+        interrupts = self.startup_interrupts(phases, lambda: (lock.release(), RunDir.remove_if_empty(created)))
         try:
-            run_dir.check_contained()
-            mesh = self.mesh if self.mesh is not None else parallel.mesh_for(self.cfg.parallel)
-            derived = self.check(mesh)  # before the run directory is made: a bad config leaves nothing behind
-            if (complete := hold(lock, run_dir, cfg)) is not None:
-                return FitResult(already_complete(run_dir, complete), self.saved_model)
-            run = self.setup(world, phases, mesh, derived)
+            with interrupts:
+                run_dir.check_contained()
+                mesh = self.mesh if self.mesh is not None else parallel.mesh_for(self.cfg.parallel)
+                derived = self.check(mesh)  # before the run directory is made: a bad config leaves nothing behind
+                if (complete := hold(lock, run_dir, cfg)) is not None:
+                    return FitResult(already_complete(run_dir, complete), self.saved_model)
+                run = self.setup(world, phases, mesh, derived)
             result = Loop(run).go()
             with phases("writing the summary"):
                 values = finish(run, world, derived, result)
@@ -210,9 +218,11 @@ class Trainer:
         except ConfigError as e:
             announce_departure(f"found bad input: {e}")
             raise
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
+            if isinstance(interrupts, StartupInterrupts):
+                interrupts.answer()
             announce_departure("was interrupted")
-            raise
+            raise e if isinstance(e, Interrupted) else Interrupted(phases.now) from None
         except Exception as e:
             announce_departure(f"failed while {phases.now}: {type(e).__name__}: {e}")
             who = f"process {jax.process_index()} of {jax.process_count()}"
@@ -223,12 +233,24 @@ class Trainer:
             lock.release()
             RunDir.remove_if_empty(created)  # e.g. the data or tokenizer was bad: no empty run directory stays
 
+    def startup_interrupts(self, phases: Phases, cleanup: Callable[[], object]):
+        """Ctrl-C before the loop, for the command line (which has the loop take the signals over): never
+        dropped, answered within seconds even while compiling (job/process.py). A library user's signals are left
+        alone."""
+        if (not self.handle_signals or threading.current_thread() is not threading.main_thread()
+                or signal.getsignal(signal.SIGINT) is signal.SIG_IGN):  # nohup, `cmd &`: Ctrl-C is not for it
+            return contextlib.nullcontext()
+        interrupts = StartupInterrupts(lambda: phases.now, cleanup)
+        phases.check = interrupts.check
+        return interrupts
+
     def setup(self, world: World, phases: Phases, mesh: jax.sharding.Mesh, derived: Derived) -> Run:
         """Everything before the first step: data, state and steps, the run directory, a checkpoint to resume."""
         cfg, t, is_main = self.cfg, self.cfg.train, jax.process_index() == 0
         cache = use_compilation_cache(cache_root(cfg.data) / "xla") if t.compile_cache else None
         with phases("loading data"):
             data, eval_data = self.load_data(parallel.process_rows(t.batch_size, mesh))
+            data_print = data.fingerprint()  # what the data is: each checkpoint keeps it, a resume compares
         factory = self.model_factory() if parallel.opt_layout(cfg.parallel.strategy, mesh).splits_parameters else None
         with phases(self.model_phase):
             model = nnx.eval_shape(factory) if factory is not None else self.make_model()
@@ -238,7 +260,7 @@ class Trainer:
             n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(steps.state.param_shapes()))
         with phases("looking for checkpoints"):
             run_dir = RunDir(t.run_dir)
-            ckpts, resumed_from, state = self.restore(run_dir, steps, data)
+            ckpts, resumed_from, state = self.restore(run_dir, steps, data, data_print)
             start = resumed_from or 0
             lost = lost_steps(run_dir.metrics, start) if resumed_from is not None else 0
             missing = missing_records(run_dir, cfg, start) if is_main and resumed_from is not None else []
@@ -258,7 +280,7 @@ class Trainer:
                              wandb_project=t.wandb_project, config=cfg.to_dict(), resume_step=resumed_from,
                              missing_steps=missing)  # fmt: skip
         meter = StepMeter(cfg, derived.tokens_per_step, peak, data.epoch, self.flops_per_unit(), data.stats)
-        record = steps.recorder(cfg, data.state)
+        record = steps.recorder(cfg, data.state, data_print)
         callbacks = [ReplicaCheck(t.check_replicas_every)]
         if eval_data is not None:
             callbacks.append(Evaluate(t.eval_every or t.steps))
@@ -271,9 +293,10 @@ class Trainer:
             handle_signals=self.handle_signals,
         )  # fmt: skip
 
-    def restore(self, run_dir: RunDir, steps: Steps, data) -> tuple[Checkpoints, int | None, Any]:
+    def restore(self, run_dir: RunDir, steps: Steps, data, data_print=None) -> tuple[Checkpoints, int | None, Any]:
         """The run's checkpoints, the step resumed from and the state to start from: the newest checkpoint that
-        restores (laid out for today's strategy and devices), or None and the fresh state."""
+        restores (laid out for today's strategy and devices), or None and the fresh state. `data_print`: what
+        the data is (Source.fingerprint); a checkpoint of other data is refused unless data.accept_changes."""
         cfg, t, is_main = self.cfg, self.cfg.train, jax.process_index() == 0
         if not t.resume and is_main and (archived := run_dir.archive()):
             log.info(f"train.resume=false: the previous run's files are now in {archived}")
@@ -283,10 +306,20 @@ class Trainer:
         def check(record):
             check_resumable(record, cfg)
             check_param_shapes(record, steps.state.param_shapes())
+            check_data(record, data_print, cfg)
 
         if not t.resume or not (restored := ckpts.restore_latest(steps.state, check, steps.target)):
             return ckpts, None, steps.state
         start, state, record = restored
+        if cfg.data.accept_changes and (changes := data_changes(record, data_print)):
+            log.warning(
+                f"data.accept_changes=true: the data changed since the checkpoint at step {start} ("
+                f"{'; '.join(changes)}); training goes on from step {start} in the new data's order, which within "
+                f"this epoch may repeat windows trained on or skip others (docs/data.md#changed-data)"
+            )
+        elif data_print is not None and saved_fingerprint(record) is None:
+            log.info(f"the checkpoint at step {start} does not record what its data was (an earlier jdp wrote it): "
+                     f"the data is not checked against it")  # fmt: skip
         state = steps.after_restore(state, record)
         if data.position() is not None:  # a loader with a position of its own (streaming) takes it back
             data.load_position(ckpts.position(start))
@@ -334,13 +367,14 @@ class Steps:
             log.info(comm_change(saved_hook, self.comm))
         return state
 
-    def recorder(self, cfg: Config, data_state=None) -> Callable[[int], dict]:
+    def recorder(self, cfg: Config, data_state=None, data_print: dict | None = None) -> Callable[[int], dict]:
         """step -> the checkpoint record; `data_state()`: what the loader keeps besides the step (a mixture's
-        schedule, the same on every process), read when the record is made."""
+        schedule, the same on every process), read when the record is made; `data_print`: what the data is."""
         layout, comm = self.layout.to_record(), self.comm
         shapes = [list(x.shape) for x in jax.tree.leaves(self.state.param_shapes())]
         return lambda step: make_record(cfg, step, optimizer_layout=layout, comm=comm, param_shapes=shapes,
-                                        data_state=data_state() if data_state else None)  # fmt: skip
+                                        data_state=data_state() if data_state else None,
+                                        fingerprint=data_print)  # fmt: skip
 
 
 def apply_xla_options(cfg: Config) -> None:

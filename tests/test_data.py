@@ -572,6 +572,37 @@ def test_tokenize_cache_follows_source_file_changes(tmp_path):
     assert _split_docs(second.train) == ["edited document", "another document", "a third"]
 
 
+def test_a_streams_files_fingerprint_follows_content_not_times_or_place(tmp_path):
+    """A streamed source is not read through at start: its fingerprint (in each checkpoint record, compared on
+    resume) is its files' relative names, sizes and ends. The same bytes written again or copied elsewhere keep
+    it; a file added, renamed, grown, or rewritten at an end changes it."""
+    from jdp.data.corpus import files_fingerprint
+
+    src = tmp_path / "a"
+    src.mkdir()
+    for i in range(3):
+        (src / f"{i}.txt").write_bytes(bytes(range(256)) * (300 * (i + 1)))  # 76.8-230 KB: both ends read
+    files = lambda d: sorted(d.glob("*.txt"))  # noqa: E731
+    first = files_fingerprint(files(src))
+    assert first["files"] == 3 and first["bytes"] == 256 * 300 * 6
+    for p in files(src):
+        p.write_bytes(p.read_bytes())
+    copy = tmp_path / "b"
+    copy.mkdir()
+    for p in files(src):
+        (copy / p.name).write_bytes(p.read_bytes())
+    assert files_fingerprint(files(src)) == files_fingerprint(files(copy)) == first
+    (copy / "1.txt").rename(copy / "9.txt")
+    assert files_fingerprint(files(copy)) != first
+    big = src / "2.txt"
+    data = bytearray(big.read_bytes())
+    data[-1] ^= 1  # the last byte
+    big.write_bytes(bytes(data))
+    assert files_fingerprint(files(src)) != first
+    big.write_bytes(bytes(data[:-1]))
+    assert files_fingerprint(files(src))["bytes"] == first["bytes"] - 1
+
+
 def test_tokenize_with_worker_processes_matches_single_process(tmp_path):
     texts = _corpus(40)
     # Two copies of the data, so that the second run cannot reuse the first one's `datasets.map` cache.

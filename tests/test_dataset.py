@@ -287,3 +287,25 @@ def test_64_bit_integers_the_devices_would_wrap_are_refused_naming_the_column():
         next(batches)  # rows 0-39: no such value
     with pytest.raises(ConfigError, match=r"column 'y' holds 8589934592"):
         next(batches)  # rows 40-47
+
+
+def test_a_loader_fingerprints_what_it_can_digest_and_says_none_for_what_it_cannot():
+    """What a checkpoint record keeps of a library user's data (issue 42, item 1): equal content, equal
+    fingerprint; one value changed, another; an indexable jdp cannot digest is not checked (None)."""
+    from jdp.data.dataset import source_for
+
+    arrays = {"x": np.arange(64, dtype=np.float32).reshape(32, 2), "y": np.arange(32)}
+    same = {k: v.copy() for k, v in arrays.items()}
+    changed = {k: v.copy() for k, v in arrays.items()}
+    changed["y"][5] = 7
+    prints = [Loader(a, 8).fingerprint() for a in (arrays, same, changed)]
+    assert prints[0] == prints[1] != prints[2] and prints[0][""]["rows"] == 32
+    assert Loader(images(32), 8).fingerprint() == Loader(images(32), 8).fingerprint() != Loader(images(32, 1), 8).fingerprint()
+    rows = [{"x": np.float32(i)} for i in range(32)]
+    assert Loader(rows, 8).fingerprint() is None
+
+    class Own:  # a loader of a user's own: Source's default
+        def local_batch(self, step):
+            return {"x": np.zeros(8)}
+
+    assert source_for(Own(), slice(0, 8), 8, 0, None, train=True).fingerprint() is None

@@ -318,3 +318,28 @@ def test_jdp_train_on_a_streamed_mixture_resumes_where_an_uninterrupted_run_goes
     assert last["tokens/low"] == 3 * last["tokens/high"] == 3 * 8 * 2 * 32
     evals = [r for r in read_metrics(tmp_path / "whole" / "metrics.jsonl") if "eval_loss" in r]
     assert {"eval_loss/low", "eval_loss/high"} <= set(evals[-1])
+
+
+def test_each_source_of_a_mixture_is_fingerprinted_and_a_change_names_that_source(tmp_path):
+    """The checkpoint record's fingerprint is per source: editing one source's file changes its entry alone, and
+    the resume check names it (issue 42, item 1); a copy of the same files elsewhere changes nothing."""
+    from jdp.checkpoint import data_changes
+
+    web, code = sources(tmp_path / "src")
+    cfg = DataConfig(sources=({"source": str(web)}, {"source": str(code)}), seq_len=32, val_tokens=0,
+                     cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    before = load_data(cfg, 320, batch_size=16, seed=0).fingerprint()
+    assert set(before) == {"web", "code"} and all(len(v["sha256"]) == 16 for v in before.values())
+    with open(code / "docs.jsonl", "a") as f:
+        f.write(json.dumps({"text": "<code 30> a document added after the checkpoint"}) + "\n")
+    after = load_data(cfg, 320, batch_size=16, seed=0).fingerprint()
+    assert after["web"] == before["web"] and after["code"] != before["code"]
+    changes = data_changes({"data": {"fingerprint": before}}, after)
+    assert len(changes) == 1 and changes[0].startswith("source 'code': tokens ") and "sha256" in changes[0]
+    moved = tmp_path / "elsewhere"
+    for d in (web, code):
+        (moved / d.name).mkdir(parents=True)
+        (moved / d.name / "docs.jsonl").write_bytes((d / "docs.jsonl").read_bytes())
+    cfg2 = DataConfig(sources=({"source": str(moved / "web")}, {"source": str(moved / "code")}), seq_len=32,
+                      val_tokens=0, cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    assert load_data(cfg2, 320, batch_size=16, seed=0).fingerprint() == after

@@ -143,3 +143,37 @@ def test_a_tilde_in_run_dir_and_cache_dir_means_the_home_directory(tmp_path, cap
     assert code == 0, err
     assert (home / "runs" / "x" / "config.yaml").is_file() and not (work / "~").exists()
     assert cache_root(DataConfig(cache_dir="~/cache")) == home / "cache"
+
+
+def test_a_resume_over_changed_data_is_refused_unless_accepted_and_the_same_data_rewritten_resumes(tmp_path, capsys):
+    """Issue 42, item 1: a file added to the source between runs changed the held-out documents and the window
+    order, and the run resumed without a word. The checkpoint record keeps the data's fingerprint; a changed
+    source is refused (exit 2, the run directory untouched), data.accept_changes=true goes on with a warning and
+    records the new data, and the same files written again (new times) resume as they are."""
+    src = tmp_path / "txt"
+    src.mkdir()
+    for i in range(4):
+        (src / f"d{i}.txt").write_text(" ".join(f"word{(i * 7 + j) % 50}" for j in range(600)))
+    run_dir = tmp_path / "run"
+    data = [f"data.source={src}", "train.ckpt_every=2"]
+    code, err = _jdp_train(run_dir, capsys, *data)
+    assert code == 0, err
+    (src / "d4.txt").write_text(" ".join(f"new{j % 13}" for j in range(900)))
+    before = _files(run_dir)
+    code, err = _jdp_train(run_dir, capsys, *data, "train.steps=4")
+    assert code == 2 and "Traceback" not in err, err
+    assert f"jdp: error: refusing to resume: the training data (data.source={src}) changed since the checkpoint " \
+           "at step 2:\n  the data: tokens " in err, err
+    assert "set data.accept_changes=true to go on from step 2 with the new data" in err
+    assert {k: v for k, v in _files(run_dir).items() if not k.startswith(".jdp-lock")} == {
+        k: v for k, v in before.items() if not k.startswith(".jdp-lock")
+    }
+    code, err = _jdp_train(run_dir, capsys, *data, "train.steps=4", "data.accept_changes=true")
+    assert code == 0, err
+    assert "jdp: warning: data.accept_changes=true: the data changed since the checkpoint at step 2 (the data: " in err
+    assert json.loads((run_dir / "summary.json").read_text())["resumed_from"] == 2
+    for p in src.iterdir():  # the same bytes written again (as a fresh copy or sync makes them): new times
+        p.write_bytes(p.read_bytes())
+    code, err = _jdp_train(run_dir, capsys, *data, "train.steps=6")
+    assert code == 0 and "changed" not in err, err
+    assert json.loads((run_dir / "summary.json").read_text())["resumed_from"] == 4

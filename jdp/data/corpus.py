@@ -9,7 +9,7 @@ import hashlib
 import os
 import sys
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ __all__ = [
     "data_files",
     "decoding_error",
     "file_identity",
+    "files_fingerprint",
     "files_by_split",
     "first_undecodable",
     "is_saved_dataset",
@@ -155,18 +156,21 @@ class Corpus:
     val: Any | None  # the validation split; None: validation documents are held out of `train`
     val_split: str  # the validation split's name ("" when held out)
     unit: str  # what one document is, for the banner ("" unless the documents come from .txt files)
+    # What the documents are without reading them (streaming's fingerprint, files_fingerprint): the local files or
+    # a saved dataset's, else the hub dataset's name
+    identity: dict = field(default_factory=dict)
 
 
 def open_corpus(cfg: DataConfig, streaming: bool = False) -> Corpus:
     """The training documents of cfg.source and its validation split (data.val_split), checked; errors say what
     is missing and how to fix it."""
     source = resolve_source(cfg)
-    splits, named, unit = _open_splits(cfg, source, streaming)
+    splits, named, unit, identity = _open_splits(cfg, source, streaming)
     train_split = cfg.split if named else next(iter(splits))
     if train_split not in splits:
         raise ConfigError(f"data.source={cfg.source}: no split {cfg.split!r}; it has {sorted(splits)} (set data.split)")
     val_split = choose_val_split(cfg, splits, train_split, named)
-    corpus = Corpus(splits[train_split], splits[val_split] if val_split else None, val_split, unit)
+    corpus = Corpus(splits[train_split], splits[val_split] if val_split else None, val_split, unit, identity)
     _check_documents(cfg, corpus.train, "")
     if corpus.val is not None:
         _check_documents(cfg, corpus.val, f" (data.val_split={val_split})")
@@ -220,9 +224,9 @@ def _has_rows(ds) -> bool:
     return not isinstance(ds, datasets.Dataset) or len(ds) > 0
 
 
-def _open_splits(cfg: DataConfig, source: str, streaming: bool) -> tuple[dict, bool, str]:
+def _open_splits(cfg: DataConfig, source: str, streaming: bool) -> tuple[dict, bool, str, dict]:
     """The source's splits by name, whether those names mean anything (a source of one set of documents has
-    just "train"), and what one document is."""
+    just "train"), what one document is, and what the documents are without reading them (files_fingerprint)."""
     import datasets
 
     path = Path(source).expanduser()
@@ -231,10 +235,11 @@ def _open_splits(cfg: DataConfig, source: str, streaming: bool) -> tuple[dict, b
         named = isinstance(ds, datasets.DatasetDict)
         splits = dict(ds) if named else {"train": ds}
         # Its arrow files, not the directory: datasets' `map` adds cache files beside them.
-        splits = _with_identity(splits, file_identity(f["filename"] for d in splits.values() for f in d.cache_files))
+        arrows = [f["filename"] for d in splits.values() for f in d.cache_files]
+        splits = _with_identity(splits, file_identity(arrows))
         if streaming:
             splits = {n: d.to_iterable_dataset(num_shards=max(1, min(len(d), 64))) for n, d in splits.items()}
-        return splits, named, ""
+        return splits, named, "", files_fingerprint(arrows) if streaming else {}
     if (files := data_files(cfg, source)) is not None:
         by_split = files_by_split(source, files)
         builder = BUILDERS[Path(files[0]).suffix.lower()]
@@ -254,11 +259,36 @@ def _open_splits(cfg: DataConfig, source: str, streaming: bool) -> tuple[dict, b
                 f"data.source={cfg.source}: could not read {len(files)} {builder} file(s): "
                 f"{type(e).__name__}: {e or 'no data'} (is it empty or malformed?)"
             ) from e
-        return _with_identity(dict(splits), identity), len(by_split) > 1, unit
+        streamed = files_fingerprint(files) if streaming else {}
+        return _with_identity(dict(splits), identity), len(by_split) > 1, unit, streamed
     splits = dict(_from_hub(cfg, source, streaming))
     if cfg.split not in splits and "[" in cfg.split and not streaming:  # a slice such as train[:10%]
         splits[cfg.split] = _from_hub(cfg, source, streaming, split=cfg.split)
-    return splits, True, ""
+    return splits, True, "", {"hub": source, "name": cfg.name, "split": cfg.split}
+
+
+_ENDS = 1 << 16  # bytes read at each end of a file by files_fingerprint
+
+
+def files_fingerprint(files) -> dict:
+    """What a stream's files are, without reading them through (checked on resume, trainer.py): their number,
+    total size, and a digest of each one's path below their common directory, size, and first and last 64 KiB.
+    A copy elsewhere or a `touch` keeps it; adding, removing, renaming, growing or cutting a file, or rewriting an
+    end of one, changes it (a same-size edit in the middle of a large file does not: that would need a full read)."""
+    paths = sorted(Path(f).absolute() for f in files)
+    root = Path(os.path.commonpath(paths)) if paths else Path()
+    root = root.parent if len(paths) == 1 else root
+    h, total = hashlib.sha256(), 0
+    for p in paths:
+        size = p.stat().st_size
+        total += size
+        h.update(f"{p.relative_to(root)}\0{size}\0".encode())
+        with open(p, "rb") as f:
+            h.update(f.read(_ENDS))
+            if size > _ENDS:
+                f.seek(max(_ENDS, size - _ENDS))
+                h.update(f.read(_ENDS))
+    return {"files": len(paths), "bytes": total, "files_sha256": h.hexdigest()[:16]}
 
 
 def file_identity(paths) -> str:

@@ -8,6 +8,7 @@ stream.py's approach for text).
 
 from __future__ import annotations
 
+import hashlib
 import queue
 import sys
 import threading
@@ -19,11 +20,22 @@ import numpy as np
 
 from jdp.errors import ConfigError
 
-__all__ = ["GlobalOrder", "Loader", "Prefetcher", "Source", "StreamLoader", "Windows", "source_for"]
+__all__ = ["GlobalOrder", "Loader", "Prefetcher", "Source", "StreamLoader", "Windows", "digest", "source_for"]
 
 Batch = dict[str, np.ndarray]
 _NUMERIC = "biufc"  # bool, int, uint, float, complex: what a device array can hold
 _SAMPLE = 256  # rows checked at construction: enough to catch a bad column, cheap for any row size
+
+
+def digest(*arrays: np.ndarray, names: tuple[str, ...] = ()) -> str:
+    """A sha256 (16 hex digits) of arrays' dtypes, shapes and bytes (and `names`): what data held in memory is,
+    for a checkpoint's fingerprint of its data (2 GB/s on a core with SHA instructions)."""
+    h = hashlib.sha256(repr(names).encode())
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        h.update(f"{a.dtype.str}{a.shape}".encode())
+        h.update(a.reshape(-1).view(np.uint8))
+    return h.hexdigest()[:16]
 
 
 class GlobalOrder:
@@ -123,6 +135,12 @@ class Source:
         """Banner lines, one per source of a mixture."""
         return []
 
+    def fingerprint(self) -> dict[str, dict] | None:
+        """What the training data is, per source ("" alone, a mixture's labels): sizes and digests, saved in each
+        checkpoint record and compared on resume, where a change is refused (data.accept_changes). None: not
+        known (a loader of a user's own, an indexable jdp cannot digest): not checked."""
+        return None
+
 
 class _OwnLoader(Source):
     """A user's own loader (it has local_batch or eval_batches), with Source's defaults for the methods it lacks."""
@@ -206,6 +224,11 @@ class Windows:
     def restore(self, saved: dict, step: int) -> str:
         return ""
 
+    def fingerprint(self, data: Any) -> dict[str, dict] | None:
+        """Source.fingerprint: by default the token streams of one map-style source (data.tokens), whole."""
+        t = data.tokens
+        return {"": {"tokens": len(t.train), "val_tokens": len(t.val), "sha256": digest(t.train, t.val)}}
+
 
 class Loader(Source):
     """Batches of any source of rows in jdp's global order: a Hugging Face `datasets.Dataset` (any numeric
@@ -234,7 +257,7 @@ class Loader(Source):
         rows: slice | None = None,
         train: bool = True,
     ):
-        self.source, self.collate = _adapt(source), collate
+        self.source, self.collate, self._given = _adapt(source), collate, source
         self.n, self.batch_size, self.seed = len(self.source), batch_size, seed
         self.rows = rows if rows is not None else slice(0, batch_size)
         self.order = GlobalOrder(self.n, batch_size, seed)
@@ -277,6 +300,18 @@ class Loader(Source):
             batch = self._read(np.where(valid, idx, idx % self.n)[self.rows])
             batch["valid"] = valid[self.rows].astype(np.float32)
             yield batch
+
+    def fingerprint(self) -> dict[str, dict] | None:
+        """A datasets.Dataset's own fingerprint (its content's hash in memory, its files' state on disk), a dict of
+        arrays' digest; None for another indexable (not checked on resume)."""
+        hf, given = sys.modules.get("datasets"), self._given
+        if hf is not None and isinstance(given, hf.Dataset):
+            return {"": {"rows": self.n, "datasets_fingerprint": given._fingerprint}}
+        if isinstance(given, Mapping):
+            arrays = [np.asarray(given[k]) for k in sorted(given)]
+            if all(a.dtype.kind in _NUMERIC for a in arrays):
+                return {"": {"rows": self.n, "sha256": digest(*arrays, names=tuple(sorted(given)))}}
+        return None
 
     def describe(self) -> str:
         cols = ", ".join(f"{k} {tuple(s)} {d}" for k, (s, d) in self.columns.items())

@@ -22,7 +22,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from jdp.data.dataset import Windows
+from jdp.data.dataset import Windows, digest
 from jdp.errors import ConfigError
 
 __all__ = ["Mixture", "MixtureBatches", "Pattern", "Schedule", "StreamMixture", "integer_weights"]
@@ -184,6 +184,13 @@ class Mixture(Windows):
 
     def where(self, step: int) -> str:
         raise NotImplementedError
+
+    def fingerprint(self, data) -> dict[str, dict]:
+        """Each source's, by label: its token streams whole (a stream: its files and validation tokens)."""
+        if streams := getattr(self, "streams", None):
+            return {s.label: st.fingerprint_with(s.val) for s, st in zip(self.sources, streams, strict=True)}
+        return {s.label: {"tokens": len(s.stream), "val_tokens": len(s.val), "sha256": digest(s.stream, s.val)}
+                for s in self.sources}  # fmt: skip
 
     def eval_sets(self, data) -> list:
         """One validation set per source that has a window of them: (label, its batches)."""

@@ -99,6 +99,9 @@ class Data:
     def describe_tokenizer(self) -> str:
         return f"tokenizer {self.tokenizer.name} (vocab {self.tokenizer.vocab_size})"
 
+    def fingerprint(self) -> dict[str, dict] | None:
+        return self.train.fingerprint(self)
+
     def describe_val(self) -> str:
         if not len(self.tokens.val):
             return "no validation"
@@ -138,7 +141,8 @@ def load_text(corpus, tokenizer, cfg: DataConfig, batch_size: int, seed: int, ro
         val, held_out = stream.hold_out(corpus.train if corpus.val is None else corpus.val, tokenizer, cfg)
         exclude = held_out if corpus.val is None else set()  # a validation split shares no documents with training
         tokens = Tokens(np.zeros(0, val.dtype), val, 0, 0)
-        train = stream.StreamBatches(corpus.train, tokenizer, cfg, rows.stop - rows.start, rank, world, exclude)
+        train = stream.StreamBatches(corpus.train, tokenizer, cfg, rows.stop - rows.start, rank, world, exclude,
+                                     corpus.identity)  # fmt: skip
     else:
         tokens = tokenize(corpus.train, tokenizer, cfg, seed, corpus.val)
         train = Batches(tokens.train, cfg.seq_len, batch_size, seed)
@@ -186,7 +190,7 @@ def load_mixture(
                     f"than data.seq_len+1={cfg.seq_len + 1}; raise its val_tokens, or set val_tokens: 0 for it"
                 )
             streams.append(stream.StreamBatches(corpus.train, tokenizer, sub, rows.stop - rows.start, rank, world,
-                                                exclude))  # fmt: skip
+                                                exclude, corpus.identity))  # fmt: skip
             sources.append(Source(label, np.zeros(0, np.uint16), 0, 0, val))
             continue
         tokens = tokenize(corpus.train, tokenizer, sub, seed, corpus.val)

@@ -30,7 +30,7 @@ from filelock import FileLock
 from jdp.config import ConfigError, DataConfig
 from jdp.data import formats
 from jdp.data.corpus import cache_root
-from jdp.data.dataset import GlobalOrder, Windows
+from jdp.data.dataset import GlobalOrder, Windows, digest
 from jdp.data.tokens import Tokens
 from jdp.log import logger
 
@@ -323,6 +323,12 @@ class ExampleBatches(Windows):
 
     def describe(self) -> str:
         return f"train {self.examples.describe()} | val {self.val.describe()}"
+
+    def fingerprint(self, data) -> dict[str, dict]:
+        """The packed windows and their answer weights, training and validation, whole."""
+        t, v = self.examples, self.val
+        return {"": {"windows": len(t.tokens), "val_windows": len(v.tokens),
+                     "sha256": digest(t.tokens, t.weights, v.tokens, v.weights)}}  # fmt: skip
 
     def banner(self, data) -> str:
         return f"{self.describe()} | {data.describe_tokenizer()}"

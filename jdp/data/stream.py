@@ -8,7 +8,7 @@ import numpy as np
 
 from jdp.config import ConfigError, DataConfig
 from jdp.data.corpus import data_files, decoding_error, resolve_source
-from jdp.data.dataset import Windows
+from jdp.data.dataset import Windows, digest
 from jdp.data.tokens import windows
 
 __all__ = ["StreamBatches", "hold_out"]
@@ -62,8 +62,11 @@ class StreamBatches(Windows):
     the tokens packed but not yet used.
     """
 
-    def __init__(self, ds, tokenizer, cfg: DataConfig, rows: int, rank: int, world: int, exclude: set[bytes]):
+    def __init__(self, ds, tokenizer, cfg: DataConfig, rows: int, rank: int, world: int, exclude: set[bytes],
+                 identity: dict | None = None):  # fmt: skip
+        """`identity`: what the stream's documents are without reading them (corpus.Corpus.identity)."""
         self.base, self.tokenizer, self.cfg, self.rows = ds, tokenizer, cfg, rows
+        self.identity = identity or {}
         self.rank, self.world, self.exclude = rank, world, exclude
         self.epoch_count = 0
         self.n_empty = self.n_excluded = 0
@@ -122,6 +125,13 @@ class StreamBatches(Windows):
 
     def load_position(self, position: dict) -> None:
         self.load_state_dict(position)
+
+    def fingerprint(self, data) -> dict[str, dict]:
+        return {"": self.fingerprint_with(data.tokens.val)}
+
+    def fingerprint_with(self, val) -> dict:
+        """The stream's files (or hub name) and the validation tokens held out of its head, whole."""
+        return {**self.identity, "val_tokens": len(val), "val_sha256": digest(val)}
 
     def banner(self, data) -> str:
         unit = f" (documents: {data.unit})" if data.unit else ""

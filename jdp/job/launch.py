@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from jdp.job.join import source_address
+from jdp.job.process import INTERRUPTED_EXIT
 from jdp.job.rendezvous import Rendezvous, RendezvousError
 from jdp.log import logger
 
@@ -312,12 +313,15 @@ class Launcher:
                         t.join(timeout=2)
                 say("all workers finished")
                 return 0
-            say(
-                f"worker rank {failed.rank} (local rank {failed.local_rank}, pid {failed.proc.pid}) "
-                f"{_describe_exit(code)}; last error: {failed.last_error(a.nproc_per_node)}",
-                logging.ERROR,
-            )
-            say("stopping the other workers")
+            if self.signalled and code == INTERRUPTED_EXIT:  # it said `interrupted while <phase>`
+                say(f"worker rank {failed.rank} stopped on the interrupt; stopping the other workers")
+            else:
+                say(
+                    f"worker rank {failed.rank} (local rank {failed.local_rank}, pid {failed.proc.pid}) "
+                    f"{_describe_exit(code)}; last error: {failed.last_error(a.nproc_per_node)}",
+                    logging.ERROR,
+                )
+                say("stopping the other workers")
             self.stop_all()
             if rdzv is not None:  # in the next round before this one ends: a waiting node cannot close it alone
                 r += 1

@@ -4,6 +4,7 @@ its output is line-buffered and never breaks its process when the reader is gone
 from __future__ import annotations
 
 import os
+import select
 import signal
 import sys
 import threading
@@ -12,7 +13,10 @@ from collections.abc import Mapping
 
 from jdp.log import logger
 
-__all__ = ["LAUNCHER_GRACE_S", "LAUNCHER_PID", "flush_every_line", "tolerate_broken_pipes", "watch_launcher"]
+__all__ = [
+    "INTERRUPTED_EXIT", "LAUNCHER_GRACE_S", "LAUNCHER_PID", "Interrupted", "StartupInterrupts", "flush_every_line",
+    "tolerate_broken_pipes", "watch_launcher",
+]  # fmt: skip
 
 log = logger("jdp.process")
 
@@ -95,3 +99,87 @@ def tolerate_broken_pipes() -> None:
         stream = getattr(sys, name)
         if stream is not None and not isinstance(stream, _Unbreakable):
             setattr(sys, name, _Unbreakable(stream))
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) while `phase`: `jdp` says `jdp: interrupted while <phase>` and exits 130. A
+    KeyboardInterrupt, so a library user's `except KeyboardInterrupt` still catches it."""
+
+    def __init__(self, phase: str):
+        super().__init__(phase)
+        self.phase = phase
+
+
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
+
+
+class StartupInterrupts:
+    """SIGINT before the training loop takes the signals over (it stops at an agreed step and saves there).
+
+    Python raises KeyboardInterrupt at the next bytecode of the main thread, which goes wrong in two ways during
+    start-up: raised inside a `__del__` (datasets' objects have them) it is printed as "Exception ignored" and
+    dropped, and the run trains on; raised while the main thread is in C++ (XLA compiling), it waits until that
+    returns, seconds later. Here the interrupt is remembered and raised again at the next phase (`check`), and a
+    thread woken by the signal itself (`signal.set_wakeup_fd`) ends the process if the main thread has not
+    answered within `answer_s` (or at once on a second Ctrl-C): `jdp: interrupted while <phase>`, `cleanup()`,
+    exit 130. Main thread only; the command line's runs (the library leaves a user's signals alone)."""
+
+    def __init__(self, phase, cleanup=lambda: None, answer_s: float = 2.0):
+        self.phase, self.cleanup, self.answer_s = phase, cleanup, answer_s
+        self.count, self.answered = 0, threading.Event()
+        self._previous = self._pipe = None
+
+    def __enter__(self) -> StartupInterrupts:
+        self._previous = signal.signal(signal.SIGINT, self._on_signal)
+        self._pipe = os.pipe()
+        os.set_blocking(self._pipe[1], False)
+        self._wakeup = signal.set_wakeup_fd(self._pipe[1], warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, daemon=True, name="jdp-interrupt-watch").start()
+        return self
+
+    def __exit__(self, kind, error, tb) -> None:
+        signal.set_wakeup_fd(self._wakeup)
+        signal.signal(signal.SIGINT, self._previous)
+        self.answer()
+        os.close(self._pipe[1])  # the watch thread's select wakes, reads b"" and ends
+        if kind is None:
+            self.check()  # dropped inside a __del__ since the last phase began
+
+    def _on_signal(self, sig, frame) -> None:
+        self.count += 1
+        raise Interrupted(self.phase())
+
+    def answer(self) -> None:
+        """The main thread has the interrupt in hand (it is unwinding): the watch thread leaves the exit to it."""
+        self.answered.set()
+
+    def check(self) -> None:
+        """Raise the interrupt the main thread dropped (inside a __del__), if there was one."""
+        if self.count:
+            raise Interrupted(self.phase())
+
+    def _watch(self) -> None:
+        read, seen, deadline = self._pipe[0], 0, None
+        try:
+            while not self.answered.is_set():
+                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if select.select([read], [], [], wait)[0]:
+                    if not (data := os.read(read, 64)):
+                        return
+                    seen += data.count(bytes([signal.SIGINT]))
+                    if seen == 1 and deadline is None:
+                        deadline = time.monotonic() + self.answer_s
+                        continue
+                if self.answered.is_set():
+                    return
+                if seen >= 2 or (deadline is not None and time.monotonic() >= deadline):
+                    # no answer in time (the main thread is in C++, or dropped it and reached no phase), or a
+                    # second Ctrl-C: end here
+                    sys.stderr.write(f"jdp: interrupted while {self.phase()}\n")
+                    sys.stderr.flush()
+                    try:
+                        self.cleanup()
+                    finally:
+                        os._exit(INTERRUPTED_EXIT)
+        finally:
+            os.close(read)
