@@ -34,6 +34,7 @@ __all__ = [
     "ParallelConfig",
     "TrainConfig",
     "explicit_keys",
+    "read_yaml",
     "load_config",
     "resolve_config_path",
     "save_config",

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import resource
 import shutil
 import time
@@ -111,12 +112,42 @@ def read_config(path: str | Path) -> dict:
         model_type = hf.get("model_type") if isinstance(hf, dict) else None
         kinds = ", ".join(f"{a.model_type} ({a.class_name})" for a in known.values())
         raise ConfigError(f"{where}: model_type {model_type!r}; jdp imports {kinds}")
-    _, problems = known[hf["model_type"]].fields(hf)
+    _check_types(hf, where)
+    try:
+        fields, problems = known[hf["model_type"]].fields(hf)
+    except (TypeError, ValueError, ArithmeticError) as e:  # a value of the wrong kind that _check_types let by
+        raise ConfigError(f"{where}: its values do not make a model: {type(e).__name__}: {e}") from None
+    problems += _wrong_kinds(fields)
     if problems:
         raise ConfigError(
             f"{where}: this {hf['model_type']} model differs from what jdp computes: " + "; ".join(problems)
         )
     return hf
+
+
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def _check_types(hf: dict, where) -> None:
+    """A number written in quotes ("hidden_size": "32") is refused by name: Python would fail on it later, or
+    compare it as text."""
+    quoted = [k for k, v in hf.items()
+              if isinstance(v, str) and _NUMBER.fullmatch(v.strip()) and k != "transformers_version"]  # fmt: skip
+    if quoted:
+        listed = ", ".join(f'"{k}": {json.dumps(hf[k])}' for k in quoted)
+        raise ConfigError(f"{where}: {listed}: a number in quotes is a string; write it without the quotes")
+
+
+def _wrong_kinds(fields: dict) -> list[str]:
+    """Fields whose value is not the kind jdp's ModelConfig holds (a list for a size, true for a count)."""
+    default, out = ModelConfig(), []
+    for name, value in fields.items():
+        want = type(getattr(default, name, None))
+        ok = (isinstance(value, want) and not (want is int and isinstance(value, bool))) or (
+            want is float and isinstance(value, int) and not isinstance(value, bool))  # fmt: skip
+        if want in (int, float, bool, str) and not ok:
+            out.append(f"model.{name} would be {value!r}, not {'an' if want is int else 'a'} {want.__name__}")
+    return out
 
 
 def architecture(hf: dict) -> Architecture:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import shutil
 import time
 import uuid
 from collections.abc import Sequence
@@ -24,6 +26,7 @@ from jdp.rundir import RunDir
 __all__ = [
     "GOODPUT_PARTS",
     "MetricsLog",
+    "MetricsWriteFailed",
     "StepMeter",
     "describe_goodput",
     "fingerprint",
@@ -86,6 +89,10 @@ def peak_flops(dtype: str, n_devices: int) -> tuple[float, str]:
     return float("nan"), f"unknown peak for {kind} ({dtype}): MFU not reported"
 
 
+class MetricsWriteFailed(RuntimeError):
+    """metrics.jsonl could not be written (a full disk): the run stops rather than lose the record."""
+
+
 class MetricsLog:
     """Appends one JSON object per line to metrics.jsonl, and mirrors every number to the trackers:
     TensorBoard event files in RUN_DIR/tensorboard (tensorboardX's writer) and, when switched on, Weights &
@@ -138,8 +145,11 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        self._f.write(json.dumps(record) + "\n")
-        self._f.flush()
+        try:
+            self._f.write(json.dumps(record) + "\n")
+            self._f.flush()
+        except OSError as e:  # a full disk, a quota, a storage error: the run stops, naming the file and the space
+            raise self._failed(e, record) from None
         step = record.get("step", 0)
         scalars = {tag: v for tag, v in _tags(record) if isinstance(v, (int, float)) and v is not None}
         if self._tb is not None:
@@ -148,6 +158,22 @@ class MetricsLog:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
+
+    def _failed(self, e: OSError, record: dict) -> MetricsWriteFailed:
+        try:
+            self._f.close()  # closes the file even though the flush of what it holds fails again
+        except OSError:
+            pass
+        self._f = open(os.devnull, "w")  # noqa: SIM115  (closed by close())
+        try:
+            free = f"{shutil.disk_usage(self.path.parent).free:,} bytes free there"
+        except OSError:
+            free = "free space unknown"
+        return MetricsWriteFailed(
+            f"{self.path} could not be written: {e.strerror or e} ({free}); the record of step {record.get('step')} "
+            f"was not saved. Free some space and run the same command: it resumes from the newest checkpoint and "
+            f"logs the steps after it again"
+        )
 
     def close(self) -> None:
         if self.enabled:
@@ -306,7 +332,7 @@ class StepMeter:
                 "step": step,
                 "loss": m["loss"],
                 "grad_norm": m["grad_norm"],
-                "lr": m.get("lr"),
+                **({"lr": m["lr"]} if "lr" in m else {}),  # known from a schedule or inject_hyperparams; else none
                 "tokens_per_sec": tps,
                 "mfu": self.mfu(tps),
                 "epoch": self.epoch_of(step),

@@ -39,7 +39,16 @@ from flax import nnx
 from jdp import models
 from jdp.attention import attention_scores
 from jdp.build import comm_hook
-from jdp.config import Config, ConfigError, load_config, split_config_args, validate
+from jdp.config import (
+    Config,
+    ConfigError,
+    explicit_keys,
+    load_config,
+    read_yaml,
+    resolve_config_path,
+    split_config_args,
+    validate,
+)
 from jdp.hardware import DEFAULT_MFU, INTERCONNECTS, gpu_spec, link_for
 from jdp.metrics import flops_per_token, read_metrics
 from jdp.models import make_model
@@ -351,6 +360,7 @@ class Plan:
     compression_note: str = ""
     traffic: Traffic | None = None  # the strategy's collectives at the requested N (for the printout)
     rings: tuple[Ring, ...] = ()  # the same, on their links
+    assumed: tuple[str, ...] = ()  # what the plan took that the config did not say (planning_assumptions)
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -411,8 +421,10 @@ def make_planner(
     interconnect: str | None = None,
     bandwidth_gbs: float | None = None,
     mfu: float = DEFAULT_MFU,
+    state: tuple | None = None,
 ) -> Planner:
-    """The planner for a config on a GPU; traces the model once (shapes only) for the gradient buckets."""
+    """The planner for a config on a GPU; traces the model once (shapes only) for the gradient buckets. `state`:
+    abstract_state(cfg), when the caller has it already (it costs seconds for a large model)."""
     if not (s := strategies.get(cfg.parallel.strategy)).planned:
         raise ConfigError(
             f"jdp plan models parallel.strategy={' and '.join(planned_strategies())}, whose gradients travel by "
@@ -424,7 +436,7 @@ def make_planner(
         raise ConfigError(f"--bandwidth {bandwidth_gbs} must be positive (GB/s)")
     if not 0 < mfu <= 1:
         raise ConfigError(f"MFU {mfu} must be in (0, 1]")
-    graphdef, params, rest, opt_state = abstract_state(cfg)
+    graphdef, params, rest, opt_state = state if state is not None else abstract_state(cfg)
     micro = {
         k: jax.ShapeDtypeStruct((1, cfg.data.seq_len), dtype)
         for k, dtype in (("inputs", jnp.int32), ("targets", jnp.int32), ("weights", jnp.float32))
@@ -471,6 +483,7 @@ def make_plan(
     calibrate: str | Path | None = None,
     config_name: str = "",
     ns: tuple[int, ...] = SCALING_NS,
+    assumed: tuple[str, ...] = (),
 ) -> Plan:
     """The whole plan for `devices` GPUs: memory per device, the step at that N, and the scaling table."""
     if devices < 1:
@@ -485,9 +498,9 @@ def make_plan(
         mfu_source = "given with --mfu"
     else:
         mfu, mfu_source = DEFAULT_MFU, "assumed (--mfu or --calibrate RUN_DIR to change)"
-    planner = make_planner(cfg, gpu, interconnect, bandwidth_gbs, mfu)
-    fused = fused_attention(cfg)
     state = abstract_state(cfg)
+    planner = make_planner(cfg, gpu, interconnect, bandwidth_gbs, mfu, state)
+    fused = fused_attention(cfg)
     memory = device_memory(cfg, devices, derived.micro_batch, fused, state=state)
     b = derived.per_device_batch
     choices = []
@@ -527,6 +540,7 @@ def make_plan(
         wire_bytes=sum(planner.compressed_bytes),
         traffic=traffic,
         rings=tuple(rings),
+        assumed=tuple(assumed),
     )
 
 
@@ -577,6 +591,7 @@ def format_plan(plan: Plan, cfg: Config) -> str:
         f"jdp plan: {plan.config or 'config'} ({plan.n_params:,} parameters) on {plan.devices} x {plan.gpu}",
         f"weak scaling: every device keeps {s.per_device_batch} sequences x {L} tokens per step "
         f"(train.batch_size={t.batch_size} on {plan.devices} devices), {split}",
+        *(f"assumed: {a}" for a in plan.assumed),
         "",
         f"memory per device ({plan.gpu}: {gpu.memory_gb:g} GB)",
         f"  parameters        {pdtype:<9} {_size(m.params):>10}   exact, from the model's shapes",
@@ -729,9 +744,34 @@ def markdown_table(cfg: Config, gpu: str = "H100", ns=(8, 64, 512), devices: int
 # ---- Command line ----
 
 
+def planning_assumptions(cfg: Config, config: str | None, overrides, devices: int) -> tuple[Config, list[str]]:
+    """The config as planned and what the plan assumed that the config did not say: the sequence length and
+    batch when neither the file nor the command line sets them (a shape config, such as llama-3.1-8b, holds model
+    keys only), and a batch that splits over `devices` when the config's does not (the nearest above)."""
+    given = set(explicit_keys(overrides))
+    if config is not None:
+        raw = read_yaml(resolve_config_path(config))
+        given |= {f"{s}.{k}" for s, keys in raw.items() if isinstance(keys, dict) for k in keys}
+    name, assumed = config or "the config", []
+    if "data.seq_len" not in given:
+        m, L = cfg.model, cfg.data.seq_len
+        longest = f"; the model takes up to {m.max_seq_len:,}" if m.max_seq_len > L else ""
+        assumed.append(f"data.seq_len={L} (jdp's default: {name} does not set it{longest}; give yours)")
+    t, unit = cfg.train, max(devices, 1) * cfg.train.grad_accum
+    whose = "the config's" if "train.batch_size" in given else f"jdp's default, which {name} does not set,"
+    if t.batch_size % unit:
+        batch = -(-t.batch_size // unit) * unit
+        assumed.append(f"train.batch_size={batch} ({whose} {t.batch_size} does not split over {devices} devices x "
+                       f"train.grad_accum={t.grad_accum}: the nearest batch above that does)")  # fmt: skip
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, batch_size=batch))
+    elif "train.batch_size" not in given:
+        assumed.append(f"train.batch_size={t.batch_size} (jdp's default: {name} does not set it; give yours)")
+    return cfg, assumed
+
+
 def run(args: argparse.Namespace) -> int:
     config, overrides = split_config_args(args.args)
-    cfg = load_config(config, overrides)
+    cfg, assumed = planning_assumptions(load_config(config, overrides), config, overrides, args.devices)
     plan = make_plan(
         cfg,
         args.devices,
@@ -742,6 +782,7 @@ def run(args: argparse.Namespace) -> int:
         args.calibrate,
         config_name=config,
         ns=tuple(sorted({*SCALING_NS, args.devices})),
+        assumed=tuple(assumed),
     )
     print(format_plan(plan, cfg))
     if args.json:

@@ -778,6 +778,45 @@ def test_hf_tokenizer_missing_path(tmp_path):
     assert str(missing) in str(e.value) and "no such file" in str(e.value)
 
 
+def test_a_directory_without_tokenizer_files_says_so_instead_of_suggesting_transformers(tmp_path):
+    """Issue 42, item 10: a directory with no tokenizer in it (a model's weights only, a wrong path) said
+    `pip install transformers`, which would not have helped."""
+    d = tmp_path / "weights-only"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    (d / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"this directory holds no tokenizer \(no tokenizer.json, and none of "
+                                          r"tokenizer.model, .*found: config.json, model.safetensors\)") as e:  # fmt: skip
+        load_tokenizer(str(d))
+    assert "pip install" not in str(e.value)
+
+
+def test_a_broken_jsonl_or_csv_line_is_named_by_file_and_line(tmp_path):
+    """Issue 42, item 10: a line that does not parse gave datasets' Arrow message, naming neither file nor line."""
+    jsonl = tmp_path / "j" / "a.jsonl"
+    jsonl.parent.mkdir()
+    jsonl.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(40)) + '{"text": "cut\n')
+    with pytest.raises(ConfigError, match=rf"{jsonl} line 41, column 10: not valid JSON \(Unterminated string"):
+        load_documents(_cfg(tmp_path, jsonl.parent))
+    csv = tmp_path / "c" / "a.csv"
+    csv.parent.mkdir()
+    csv.write_text("text,label\n" + "".join(f'"doc {i}",1\n' for i in range(30)) + '"odd",1,2\n')
+    with pytest.raises(ConfigError, match=rf"{csv} line 32: 3 fields where the header has 2 \(text, label\); fix"):
+        load_documents(_cfg(tmp_path / "x", csv))
+
+
+def test_reading_local_files_prints_no_download_or_split_generation_bars(tmp_path, capfd):
+    """Issue 42, item 13: datasets printed "Downloading data" and "Generating train split" for local files."""
+    import datasets
+
+    f = _write_jsonl(tmp_path / "quiet" / "docs.jsonl", [f"document {i}" for i in range(20)])
+    capfd.readouterr()
+    load_documents(_cfg(tmp_path, f))
+    err = capfd.readouterr().err
+    assert "Generating train split" not in err and "Downloading data" not in err, err
+    assert not datasets.are_progress_bars_disabled()  # jdp's own bars (tokenizing) stay on
+
+
 def test_a_file_that_is_not_a_tokenizer_names_data_tokenizer(tmp_path):
     f = tmp_path / "tokenizer.json"
     f.write_text('{"version": 1 "oops": 2}')

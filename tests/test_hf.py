@@ -197,6 +197,17 @@ def test_files_that_disagree_with_themselves_are_refused_not_loaded(tmp_path):
         imported(path=shared)
 
 
+def test_config_json_values_of_the_wrong_kind_are_named_not_a_traceback(tmp_path):
+    """Issue 42, item 9: `"n_embd": "64"` (a number in quotes) was a TypeError traceback; a list where a size
+    belongs too. Each is one ConfigError naming config.json and the key."""
+    quoted = _copy_with(tmp_path / "q", config={"n_embd": "64"})
+    with pytest.raises(ConfigError, match=r'config.json: "n_embd": "64": a number in quotes is a string; write it'):
+        hf.model_config(quoted)
+    listed = _copy_with(tmp_path / "l", config={"n_layer": [2]})
+    with pytest.raises(ConfigError, match=r"config.json: .*(model.n_layers would be \[2\], not an int|TypeError)"):
+        hf.model_config(listed)
+
+
 def _import_config(overrides=(), path=FIXTURE):
     """checked_import of `jdp train tiny train.init_from=PATH data.tokenizer=PATH OVERRIDES...`."""
     from jdp.config import explicit_keys, load_config

@@ -48,6 +48,7 @@ def run_layout(tmp_path, env, nproc, devices_each):
     if nproc > 1:
         assert "[rank 0] jdp | process 0 of" in out.stdout  # every line carries its rank
         assert "jdp | model" not in out.stdout.replace("[rank 0] jdp | model", "")  # one voice: rank 0 only
+        assert "[Gloo] Rank" not in out.stdout + out.stderr  # gloo's "Rank 0 is connected" per process: dropped
     return read_metrics(run_dir / "metrics.jsonl"), json.loads((run_dir / "summary.json").read_text())
 
 

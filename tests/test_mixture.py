@@ -343,3 +343,25 @@ def test_each_source_of_a_mixture_is_fingerprinted_and_a_change_names_that_sourc
     cfg2 = DataConfig(sources=({"source": str(moved / "web")}, {"source": str(moved / "code")}), seq_len=32,
                       val_tokens=0, cache_dir=str(tmp_path / "cache"))  # fmt: skip
     assert load_data(cfg2, 320, batch_size=16, seed=0).fingerprint() == after
+
+
+def test_a_sources_problem_is_named_as_that_source_and_the_same_data_twice_is_refused(tmp_path):
+    """Issue 42, item 10: a source of data.sources reported its problems as `data.source=PATH` and suggested the
+    global data.val_tokens; the same documents listed twice (a directory and a file in it) trained twice per epoch
+    without a word."""
+    web, code = sources(tmp_path / "src")
+
+    def load(*entries):
+        cfg = DataConfig(sources=entries, seq_len=32, val_tokens=0, cache_dir=str(tmp_path / "cache"))
+        return load_data(cfg, 320, batch_size=16, seed=0)
+
+    with pytest.raises(ConfigError, match=rf"^data.sources: source 'gone' \({tmp_path}/gone\): no data files found"):
+        load({"source": str(web)}, {"source": str(tmp_path / "gone")})
+    with pytest.raises(ConfigError, match=r"^data.sources: source 'code' \(.*\): holding out its val_tokens: 100,000 "
+                                          r"for validation .* Lower its val_tokens, e.g. its val_tokens: "):  # fmt: skip
+        load({"source": str(web)}, {"source": str(code), "val_tokens": 100_000})
+    with pytest.raises(ConfigError, match=rf"sources 'src' and 'docs' both read {web}/docs.jsonl: each epoch would "
+                                          r"train its documents twice"):  # fmt: skip
+        load({"source": str(tmp_path / "src")}, {"source": str(web / "docs.jsonl")})
+    with pytest.raises(ConfigError, match=r"sources 'a' and 'b' both read"):
+        load({"source": str(code), "label": "a"}, {"source": str(code), "label": "b"})

@@ -327,11 +327,25 @@ def test_run_prints_memory_step_and_the_scaling_table(capsys):
     assert data["memory"]["total"] == sum(v for k, v in data["memory"].items() if k != "total")
 
 
-def test_run_rejects_two_bandwidth_sources_and_bad_batches():
+def test_run_rejects_two_bandwidth_sources():
     with pytest.raises(SystemExit):
         _parser().parse_args(["--devices", "2", "--interconnect", "nvlink4", "--bandwidth", "10"])
-    with pytest.raises(ConfigError, match="train.batch_size"):
-        plan.run(_parser().parse_args(["tiny", "train.batch_size=8", "--devices", "3"]))
+
+
+def test_what_a_plan_assumes_is_said_and_a_batch_that_does_not_split_is_planned_at_the_nearest_that_does(capsys):
+    """Issue 42, item 14: `jdp plan llama-3.1-8b` silently planned 128-token sequences (a shape config holds model
+    keys only), and `--devices 64` refused the config's batch of 32 instead of saying what batch it would take."""
+    assert plan.run(_parser().parse_args(["llama-3.1-8b", "--devices", "64"])) == 0
+    head = capsys.readouterr().out.split("memory per device")[0]
+    assert ("assumed: data.seq_len=128 (jdp's default: llama-3.1-8b does not set it; the model takes up to 131,072; "
+            "give yours)") in head  # fmt: skip
+    assert ("assumed: train.batch_size=64 (jdp's default, which llama-3.1-8b does not set, 32 does not split over 64 "
+            "devices x train.grad_accum=1: the nearest batch above that does)") in head  # fmt: skip
+    assert "every device keeps 1 sequences x 128 tokens per step (train.batch_size=64 on 64 devices)" in head
+    assert plan.run(_parser().parse_args(["tiny", "train.batch_size=8", "--devices", "3"])) == 0
+    head = capsys.readouterr().out.split("memory per device")[0]
+    assert "assumed: train.batch_size=9 (the config's 8 does not split over 3 devices" in head
+    assert "data.seq_len" not in head  # tiny.yaml sets it
 
 
 def test_markdown_table_for_the_readme():

@@ -101,3 +101,23 @@ def test_nnodes_takes_a_count_or_an_elastic_range(text, expected):
 def test_a_bad_nnodes_is_refused(text):
     with pytest.raises(LaunchError, match="--nnodes"):
         nodes_range(text)
+
+
+def test_an_rdzv_dir_that_cannot_be_written_is_one_line_and_exit_2_before_any_worker(tmp_path):
+    """Issue 42, item 9: --rdzv-dir under a file (or on a read-only mount) raised RendezvousError as a traceback.
+    Now the launcher says why in one line, exits 2, and starts no worker."""
+    import subprocess
+    import sys
+
+    (tmp_path / "afile").write_text("")
+    out = subprocess.run(
+        [sys.executable, "-m", "jdp.cli", "launch", "--nnodes", "1:2", "--rdzv-dir", str(tmp_path / "afile" / "rdzv"),
+         "--coordinator", "127.0.0.1:29555", "--nproc-per-node", "1", "--", "train", "configs/tiny.yaml"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip() == (
+        f"jdp launch: error: --rdzv-dir {tmp_path / 'afile' / 'rdzv'}: cannot write there (Not a directory); give a "
+        f"directory every node can write, on storage they share"
+    ), out.stderr
+    assert "started ranks" not in out.stderr + out.stdout

@@ -143,6 +143,42 @@ def test_examples_without_an_answer_are_refused_or_counted_never_trained_silentl
         load([{"messages": CHAT}, {"messages": "hi"}, *[{"messages": CHAT}] * 6], "chat", "chat")
 
 
+def test_a_chat_template_that_raises_names_the_example_and_the_template(tmp_path):
+    """Issue 42, item 9: a template that failed on a conversation (an attribute the data lacks, a type error) was a
+    jinja2 traceback; its own raise_exception did not say which example. Both are one ConfigError naming both."""
+    source = tmp_path / "chat.jsonl"
+    odd = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 5}]
+    source.write_text("".join(json.dumps({"messages": m}) + "\n" for m in [CHAT] * 4 + [odd] + [CHAT] * 4))
+    failing = tmp_path / "failing.jinja"
+    failing.write_text("{% for m in messages %}{{ m['content'] | upper }}{{ m['content'] + '!' }}{% endfor %}")
+    refusing = tmp_path / "refusing.jinja"
+    refusing.write_text("{% for m in messages %}{% if m['content'] is not string %}"
+                        "{{ raise_exception('content must be text') }}{% endif %}{{ m['content'] }}{% endfor %}")  # fmt: skip
+    for template, message in ((failing, r"failed on it: TypeError"), (refusing, r"refused it: content must be text")):
+        cfg = DataConfig(source=str(source), format="chat", chat_template=str(template), seq_len=64, val_tokens=0,
+                         cache_dir=str(tmp_path / template.stem))  # fmt: skip
+        with pytest.raises(ConfigError, match=rf"chat.jsonl, example 4: the chat template \({template}\) {message}"):
+            load_data(cfg, 320, batch_size=2, seed=0)
+
+
+def test_conversations_without_an_assistant_turn_are_named_not_blamed_on_seq_len(tmp_path, capsys):
+    """Issue 42, item 10: chat data with no assistant turn said the examples were longer than data.seq_len."""
+    user_only = [{"role": "user", "content": "hi"}, {"role": "user", "content": "anyone?"}]
+
+    def load(rows, name):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"messages": r}) + "\n" for r in rows))
+        cfg = DataConfig(source=str(path), format="chat", chat_template=str(template_file(tmp_path)), seq_len=256,
+                         val_tokens=0, cache_dir=str(tmp_path / name))  # fmt: skip
+        return load_data(cfg, 320, batch_size=2, seed=0)
+
+    with pytest.raises(ConfigError, match=r"none.jsonl: no conversation has an assistant turn \(role 'assistant'\)"):
+        load([user_only] * 8, "none")
+    capsys.readouterr()
+    load([CHAT] * 8 + [user_only], "some")
+    assert "1 of 9 conversations have no assistant turn (examples 8): each trains nothing" in capsys.readouterr().err
+
+
 def test_the_wrong_format_names_the_columns_and_the_fix(tmp_path):
     source = chats(tmp_path / "chat.jsonl", 10)
     cfg = DataConfig(source=str(source), cache_dir=str(tmp_path / "cache"))

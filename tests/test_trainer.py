@@ -99,6 +99,18 @@ def test_the_trained_model_comes_back_on_every_path_and_from_any_checkpoint(tmp_
         jdp.load(tmp_path / "ddp", MLP(nnx.Rngs(0)), step=5)
 
 
+def test_the_learning_rate_is_recorded_from_inject_hyperparams_and_never_written_as_null(tmp_path):
+    """Issue 42, item 13: without `schedule=`, every record said `"lr": null`. An optimizer made with
+    optax.inject_hyperparams has its rate recorded (the one each update used); one without has no lr key."""
+    schedule = optax.linear_schedule(1e-2, 1e-3, 12)
+    injected = optax.inject_hyperparams(optax.adam)(learning_rate=schedule)
+    jdp.Trainer(lambda: MLP(nnx.Rngs(0)), mse, injected, data(256, 0), config(tmp_path / "inj")).fit()
+    logged = [r for r in records(tmp_path / "inj") if "loss" in r]
+    assert [r["lr"] for r in logged] == pytest.approx([float(schedule(s - 1)) for s in (4, 8, 12)], rel=1e-6)
+    fit(tmp_path / "plain")
+    assert all("lr" not in r for r in records(tmp_path / "plain")), records(tmp_path / "plain")[:2]
+
+
 def test_callbacks_own_their_cadence_and_see_the_state(tmp_path):
     seen = []
 

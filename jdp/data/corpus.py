@@ -9,6 +9,8 @@ import hashlib
 import os
 import sys
 import sysconfig
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -249,12 +251,15 @@ def _open_splits(cfg: DataConfig, source: str, streaming: bool) -> tuple[dict, b
         # would come back from its cache as it was: each identity of the files gets a cache of its own.
         parsed = {} if streaming else {"cache_dir": str(Path(datasets.config.HF_DATASETS_CACHE) / "jdp" / identity)}
         try:
-            splits = datasets.load_dataset(
-                builder, data_files=by_split, streaming=streaming, **parsed, **_reading(cfg, builder)
-            )
+            with _quiet(datasets):  # "Downloading data", "Generating train split": a parse of local files
+                splits = datasets.load_dataset(
+                    builder, data_files=by_split, streaming=streaming, **parsed, **_reading(cfg, builder)
+                )
         except Exception as e:  # datasets fails on empty files with StopIteration, ValueError, ...
             if undecodable := decoding_error(cfg, files, e):
                 raise undecodable from e
+            if malformed := next((m for f in files if (m := first_malformed(f)) is not None), None):
+                raise ConfigError(f"data.source={cfg.source}: {malformed}; fix that line or leave it out") from e
             raise ConfigError(
                 f"data.source={cfg.source}: could not read {len(files)} {builder} file(s): "
                 f"{type(e).__name__}: {e or 'no data'} (is it empty or malformed?)"
@@ -289,6 +294,18 @@ def files_fingerprint(files) -> dict:
                 f.seek(max(_ENDS, size - _ENDS))
                 h.update(f.read(_ENDS))
     return {"files": len(paths), "bytes": total, "files_sha256": h.hexdigest()[:16]}
+
+
+@contextmanager
+def _quiet(datasets) -> Iterator[None]:
+    """datasets' progress bars off while it parses local files (jdp's own, `tokenizing`, stay on)."""
+    was_on = not datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_on:
+            datasets.enable_progress_bars()
 
 
 def file_identity(paths) -> str:
@@ -418,4 +435,44 @@ def first_undecodable(path: str) -> tuple[str, int, int, int] | None:
                 return path, data[e.start], offset - len(pending) + e.start, lines + data[: e.start].count(b"\n")
             offset += len(chunk)
             lines += chunk.count(b"\n")
+    return None
+
+
+def first_malformed(path: str) -> str | None:
+    """Where a JSON Lines, JSON or CSV file stops parsing (`PATH line N: ...`), or None: what datasets' error (an
+    Arrow message) does not say. Read only after datasets failed on the files."""
+    import csv
+    import json
+
+    suffix = Path(path).suffix.lower()
+    try:
+        if suffix == ".csv":
+            with open(path, newline="", encoding="utf-8", errors="replace") as f:
+                rows = csv.reader(f)
+                header = next(rows, None)
+                for row in rows:
+                    if row and header is not None and len(row) != len(header):
+                        return (f"{path} line {rows.line_num}: {len(row)} fields where the header has {len(header)} "
+                                f"({', '.join(header)[:80]})")  # fmt: skip
+            return None
+        if suffix not in (".json", ".jsonl"):
+            return None
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+        if suffix == ".json" and not text.lstrip().startswith("{"):
+            try:
+                json.loads(text)  # one JSON document (a list of records)
+                return None
+            except ValueError as e:
+                return f"{path} line {e.lineno}, column {e.colno}: not valid JSON ({e.msg})"
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                return f"{path} line {n}, column {e.colno}: not valid JSON ({e.msg}): {line.strip()[:60]!r}"
+            if not isinstance(record, dict):
+                return f"{path} line {n}: {line.strip()[:60]!r} is not a JSON object (one record per line)"
+    except OSError:
+        return None
     return None

@@ -9,13 +9,17 @@ branches on. Every problem is reported before compilation.
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from jdp.config import ConfigError, DataConfig
 from jdp.data import formats, stream
-from jdp.data.corpus import open_corpus
+from jdp.data.corpus import data_files, is_saved_dataset, open_corpus
 from jdp.data.dataset import GlobalOrder, Prefetcher, Windows
 from jdp.data.mixture import MixtureBatches, Source, StreamMixture, integer_weights
 from jdp.data.tokens import (
@@ -177,12 +181,17 @@ def load_mixture(
 
     sources, streams = [], []
     weights = integer_weights([float(e.get("weight", 1.0)) for e in cfg.sources])
-    for entry, label in zip(cfg.sources, source_labels(cfg.sources), strict=True):
-        own = {k: v for k, v in entry.items() if k in SOURCE_KEYS and k not in ("weight", "label")}
-        sub = dataclasses.replace(cfg, sources=(), **own)
-        corpus = open_corpus(sub, streaming=cfg.streaming)
+    labels = source_labels(cfg.sources)
+    subs = [dataclasses.replace(cfg, sources=(), **{k: v for k, v in entry.items()
+                                                    if k in SOURCE_KEYS and k not in ("weight", "label")})
+            for entry in cfg.sources]  # fmt: skip
+    _check_disjoint(subs, labels)
+    for sub, label in zip(subs, labels, strict=True):
+        with _named_as_source(label, sub.source):
+            corpus = open_corpus(sub, streaming=cfg.streaming)
         if cfg.streaming:  # validation: the head of the stream (or its split), skipped by training, as for one
-            val, held = stream.hold_out(corpus.train if corpus.val is None else corpus.val, tokenizer, sub)
+            with _named_as_source(label, sub.source):
+                val, held = stream.hold_out(corpus.train if corpus.val is None else corpus.val, tokenizer, sub)
             exclude = held if corpus.val is None else set()
             if sub.val_tokens > 0 and n_windows(val, cfg.seq_len) == 0:
                 raise ConfigError(
@@ -193,7 +202,8 @@ def load_mixture(
                                                 exclude, corpus.identity))  # fmt: skip
             sources.append(Source(label, np.zeros(0, np.uint16), 0, 0, val))
             continue
-        tokens = tokenize(corpus.train, tokenizer, sub, seed, corpus.val)
+        with _named_as_source(label, sub.source):
+            tokens = tokenize(corpus.train, tokenizer, sub, seed, corpus.val)
         if n_windows(tokens.train, cfg.seq_len) == 0:
             raise ConfigError(
                 f"data.sources: source {label!r} ({sub.source}) holds {len(tokens.train)} training tokens, not one "
@@ -214,3 +224,40 @@ def load_mixture(
             f"(train.batch_size={batch_size}); use more data, a shorter seq_len or a smaller batch"
         )
     return mixture
+
+
+@contextmanager
+def _named_as_source(label: str, source: str) -> Iterator[None]:
+    """A source of data.sources reports its problems as one: `data.sources: source 'web' (PATH)` where data.source
+    would say `data.source=PATH`, and its own keys (val_tokens, split, ...) as its, not the global data.* ones."""
+    from jdp.config import SOURCE_KEYS
+
+    try:
+        yield
+    except ConfigError as e:
+        text = str(e).replace(f"data.source={source}", f"data.sources: source {label!r} ({source})")
+        for key in SOURCE_KEYS:  # data.val_tokens=N -> its val_tokens: N (as its data.sources entry writes it)
+            text = re.sub(rf"\bdata\.{key}=", f"its {key}: ", text)
+            text = re.sub(rf"\bdata\.{key}\b", f"its {key}", text)
+        raise ConfigError(text) from e
+
+
+def _check_disjoint(subs: list[DataConfig], labels: list[str]) -> None:
+    """Two sources of a mixture that read the same documents (the same path twice, a directory and a file in it,
+    the same hub dataset and split) would train them twice per epoch, outside the weights: refused, naming both."""
+    seen: dict[tuple, str] = {}
+    for sub, label in zip(subs, labels, strict=True):
+        saved = is_saved_dataset(Path(sub.source).expanduser())
+        with _named_as_source(label, sub.source):
+            files = data_files(sub, sub.source) if sub.source != "stdlib" and not saved else None
+        source = str(Path(sub.source).expanduser().resolve()) if saved else sub.source
+        how = (sub.name, sub.split, sub.text_column, sub.text_unit)  # read otherwise, they are other documents
+        items = [(str(Path(f).resolve()), *how) for f in files] if files is not None else [(source, *how)]
+        for item in items:
+            if (other := seen.get(item)) is not None and other != label:
+                raise ConfigError(
+                    f"data.sources: sources {other!r} and {label!r} both read {item[0]}: each epoch would train its "
+                    f"documents twice, outside the weights. List the data once (a larger weight gives it a larger "
+                    f"share), or leave the file out of one of them"
+                )
+            seen[item] = label

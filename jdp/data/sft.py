@@ -41,6 +41,10 @@ log = logger("jdp.sft")
 FORMAT_VERSION = 1
 
 
+class _TemplateRefused(Exception):
+    """raise_exception(message) in a chat template: the template's own refusal of a conversation."""
+
+
 class ChatTemplate:
     """A tokenizer's Jinja chat template, rendered as transformers renders it (a sandboxed environment with
     trim_blocks and lstrip_blocks, `raise_exception`, `tojson`, `strftime_now`; bos_token and eos_token set)."""
@@ -50,7 +54,7 @@ class ChatTemplate:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message):
-            raise ConfigError(f"the chat template ({where}) refused a conversation: {message}")
+            raise _TemplateRefused(message)
 
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
@@ -65,8 +69,18 @@ class ChatTemplate:
         self.source, self.where, self.special = source, where, dict(special or {})
         self.digest = hashlib.sha256(json.dumps([source, self.special]).encode()).hexdigest()[:16]
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, at: str = "a conversation") -> str:
+        """The template's text for `messages`; what it raises is one ConfigError naming the template and `at`."""
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        **self.special)  # fmt: skip
+        except _TemplateRefused as e:
+            raise ConfigError(f"{at}: the chat template ({self.where}) refused it: {e}") from None
+        except Exception as e:  # an undefined attribute, a type error, the sandbox: the template's or the data's
+            raise ConfigError(
+                f"{at}: the chat template ({self.where}) failed on it: {type(e).__name__}: {e} (is the conversation "
+                f"in the shape the template expects, {{role, content}} messages?)"
+            ) from None
 
     @classmethod
     def load(cls, cfg: DataConfig) -> ChatTemplate:
@@ -106,14 +120,14 @@ def _token_text(token) -> str:
 
 def answer_spans(messages: list[dict], template: ChatTemplate, where: str) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans of its assistant turns."""
-    text, spans = template.render(messages), []
+    text, spans = template.render(messages, at=where), []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise ConfigError(f"{where}: message {i} is {message!r:.80}, not a {{role, content}} mapping")
         if message["role"] != "assistant":
             continue
-        before = template.render(messages[:i], add_generation_prompt=True)
-        through = template.render(messages[: i + 1])
+        before = template.render(messages[:i], add_generation_prompt=True, at=where)
+        through = template.render(messages[: i + 1], at=where)
         if not (text.startswith(through) and through.startswith(before)):
             raise ConfigError(
                 f"{where}: the chat template ({template.where}) does not render the conversation as a growing text "
@@ -218,6 +232,8 @@ def _examples(ds, tokenizer, cfg: DataConfig, template: ChatTemplate | None, whe
             if not isinstance(messages := row["messages"], list):
                 raise ConfigError(f"{at}: messages is {messages!r:.80}, not a list of {{role, content}} mappings")
             out.append(chat_example(messages, template, tokenizer, at))
+            if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages):
+                empty.append(i)
             continue
         for key in ("prompt", "completion"):
             if not isinstance(row[key], str) and not (key == "prompt" and row[key] is None):  # no prompt: ""
@@ -229,12 +245,16 @@ def _examples(ds, tokenizer, cfg: DataConfig, template: ChatTemplate | None, whe
         if not row["completion"].strip():
             empty.append(i)
         out.append(prompt_example(row["prompt"], row["completion"], tokenizer))
+    chat = cfg.format == "chat"
     if empty and len(empty) == len(out):
-        raise ConfigError(f"data.source={cfg.source}{where}: every completion is empty, so there is no answer to learn")
+        what = "no conversation has an assistant turn (role 'assistant')" if chat else "every completion is empty"
+        raise ConfigError(f"data.source={cfg.source}{where}: {what}, so there is no answer to learn")
     if empty:
-        log.warning(f"data.source={cfg.source}{where}: {len(empty)} of {len(out)} examples have an empty completion "
-                    f"(examples {', '.join(map(str, empty[:5]))}{', ...' if len(empty) > 5 else ''}): each trains "
-                    f"only the end-of-document token")  # fmt: skip
+        what, trains = (("conversations have no assistant turn", "nothing") if chat else
+                        ("examples have an empty completion", "only the end-of-document token"))  # fmt: skip
+        log.warning(f"data.source={cfg.source}{where}: {len(empty)} of {len(out)} {what} (examples "
+                    f"{', '.join(map(str, empty[:5]))}{', ...' if len(empty) > 5 else ''}): each trains "
+                    f"{trains}")  # fmt: skip
     return out
 
 

@@ -49,6 +49,10 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
 
 
+# What transformers reads a tokenizer from when there is no tokenizer.json (sentencepiece, BPE and WordPiece files)
+_SLOW_TOKENIZER_FILES = ("tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "sentencepiece.bpe.model")
+
+
 class HFTokenizer:
     """Any Hugging Face tokenizer from a local path: a tokenizer.json (the `tokenizers` format) or a directory."""
 
@@ -70,6 +74,13 @@ class HFTokenizer:
             self._encode = lambda texts: [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
             self.decode = lambda ids: self._tok.decode([int(i) for i in ids])
         elif p.is_dir():
+            if not any((p / f).is_file() for f in _SLOW_TOKENIZER_FILES):
+                found = ", ".join(sorted(q.name for q in p.iterdir())[:8]) or "nothing"
+                raise ConfigError(
+                    f"data.tokenizer={path}: this directory holds no tokenizer (no tokenizer.json, and none of "
+                    f"{', '.join(_SLOW_TOKENIZER_FILES)}; found: {found}); give the directory a tokenizer was saved to "
+                    f"(save_pretrained, `hf download`), its tokenizer.json, or data.tokenizer=byte"
+                )
             try:
                 from transformers import AutoTokenizer
             except ImportError as e:

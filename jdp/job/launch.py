@@ -130,6 +130,9 @@ def lost_peers(lines: list[str], nproc_per_node: int = 0) -> str:
     return ""
 
 
+_GLOO_CONNECTED = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer")
+
+
 def _pump(worker: Worker, stream, out, keep: bool) -> None:
     """Copy a worker's output to ours, each line prefixed with its rank (progress bars' \\r lines too)."""
     prefix = f"[rank {worker.rank}] ".encode()
@@ -139,6 +142,8 @@ def _pump(worker: Worker, stream, out, keep: bool) -> None:
         parts = re.split(rb"(\r|\n)", pending)
         pending = parts.pop()  # an unfinished line waits for the rest
         for text, end in zip(parts[0::2], parts[1::2], strict=True):
+            if _GLOO_CONNECTED.match(text):  # gloo's C++ prints one per process at start: noise, nothing to act on
+                continue
             out.write(prefix + text + end)
             if keep:
                 worker.last_err.append(text.decode(errors="replace"))
@@ -285,8 +290,12 @@ class Launcher:
         a = self.args
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self.on_signal)
-        rdzv = self.rendezvous()
-        r = rdzv.first_round() if rdzv else 0
+        try:
+            rdzv = self.rendezvous()
+            r = rdzv.first_round() if rdzv else 0
+        except RendezvousError as e:  # the directory cannot be used: before any worker starts
+            say(str(e), logging.ERROR, prefix="jdp launch: error: ")
+            return 2
         for attempt in range(a.max_restarts + 1):
             coordinator = a.coordinator or f"127.0.0.1:{free_port()}"
             node_rank, nnodes = a.node_rank, a.nnodes

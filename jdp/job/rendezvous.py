@@ -48,10 +48,16 @@ class Rendezvous:
         self.address, self.hint = address, rank_hint
         self.timeout_s, self.join_timeout_s = timeout_s, join_timeout_s
         self.id = f"{rank_hint:05d}-{socket.gethostname()}-{address}-{os.getpid()}"
-        try:
+        probe = self.dir / f".probe-{self.id}"
+        try:  # made and written here, or the nodes would find out only when they meet
             self.dir.mkdir(parents=True, exist_ok=True)
+            probe.write_text("")
+            probe.unlink()
         except OSError as e:
-            raise RendezvousError(f"--rdzv-dir {self.dir}: {e.strerror or e}") from None
+            raise RendezvousError(
+                f"--rdzv-dir {self.dir}: cannot write there ({e.strerror or e}); give a directory every node can "
+                f"write, on storage they share"
+            ) from None
 
     # -- the rounds on disk ----------------------------------------------------------------------------------------
 

@@ -421,7 +421,17 @@ def apply_update(optimizer, schedule, step, params, opt_state, grads, loss, weig
     metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": weight, "skipped": 1 - ok.astype(jnp.int32)}
     if schedule is not None:
         metrics["lr"] = jnp.asarray(schedule(step), jnp.float32)
+    elif (lr := injected_lr(new_opt_state)) is not None:  # optax.inject_hyperparams: the rate this update used
+        metrics["lr"] = jnp.asarray(lr, jnp.float32)
     return new_params, new_opt_state, metrics
+
+
+def injected_lr(opt_state):
+    """The learning rate an `optax.inject_hyperparams(...)` optimizer keeps in its state, or None."""
+    injected = lambda x: isinstance(getattr(x, "hyperparams", None), dict)  # noqa: E731  (optax's two such states)
+    rates = [s.hyperparams["learning_rate"] for s in jax.tree.leaves(opt_state, is_leaf=injected)
+             if injected(s) and "learning_rate" in s.hyperparams]  # fmt: skip
+    return rates[0] if rates else None
 
 
 def micro_spec(batch: Batch, n_devices: int, grad_accum: int) -> dict:
