@@ -74,7 +74,10 @@ class DataConfig:
     # the loss on assistant turns only; prompt: `prompt` and `completion` columns, the loss on the completion; or a
     # format registered with jdp.data.formats.register
     format: str = "text"
-    chat_template: str = ""  # data.format=chat: a .jinja file or tokenizer_config.json; "": data.tokenizer's own
+    # data.format=chat: a .jinja file, a chat_template.json or tokenizer_config.json, or a tokenizer directory; "":
+    # data.tokenizer's own (chat_template.jinja, chat_template.json, tokenizer_config.json, as transformers saves it)
+    chat_template: str = ""
+    chat_template_name: str = ""  # one of several named templates (tool_use, rag, ...); "": the default
     overlong: str = "truncate"  # a fine-tuning example longer than a window: truncate or drop it (counted either way)
     # Resume although the data changed since the checkpoint (its fingerprint differs): refused by default, since
     # the held-out documents and the window order follow from the data (docs/data.md#changed-data)

@@ -28,21 +28,17 @@ class Format:
     # (corpus, tokenizer, DataConfig, batch_size, seed, rows, rank, world) -> (dataset.Windows, tokens.Tokens: the
     # validation stream, empty where the windows evaluate themselves)
     load: Callable | None = field(default=None, compare=False)
+    # (corpus, tokenizer, DataConfig of the entry, seed, label) -> one source of a map-style mixture (mixture.Source
+    # or anything with its methods), its problems found; None: it cannot be a data.sources entry
+    mix: Callable | None = field(default=None, compare=False)
 
 
 _FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
         Format("text", "text", lambda d: [d.text_column]),
-        Format("chat", "fine-tuning data", lambda d: ["messages"], within_documents=True, streams=False, mixes=False),
-        Format(
-            "prompt",
-            "fine-tuning data",
-            lambda d: ["prompt", "completion"],
-            within_documents=True,
-            streams=False,
-            mixes=False,
-        ),  # fmt: skip
+        Format("chat", "fine-tuning data", lambda d: ["messages"], within_documents=True, streams=False),
+        Format("prompt", "fine-tuning data", lambda d: ["prompt", "completion"], within_documents=True, streams=False),
     )
 }
 _BUILTIN = tuple(_FORMATS)
@@ -58,9 +54,9 @@ def get(name: str) -> Format:
     return _FORMATS[name]
 
 
-def attach(name: str, load: Callable) -> None:
-    """Give jdp's own format `name` its loader (done where the loader lives, when that module is imported)."""
-    _FORMATS[name] = replace(_FORMATS[name], load=load)
+def attach(name: str, load: Callable, mix: Callable | None = None) -> None:
+    """Give jdp's own format `name` its loaders (done where they live, when that module is imported)."""
+    _FORMATS[name] = replace(_FORMATS[name], load=load, mix=mix)
 
 
 def register(fmt: Format) -> None:

@@ -133,13 +133,46 @@ class Schedule:
 
 @dataclass
 class Source:
-    """One source of a mixture: its label, its training stream, and what the banner says of it."""
+    """One source of a mixture: a token stream cut into windows (text; fine-tuning data's is sft.ExampleSource).
+    What a mixture asks of a source, whatever its kind: its windows and their rows, its validation batches, its
+    account and its fingerprint."""
 
     label: str
     stream: np.ndarray
     n_docs: int
     n_empty: int
     val: np.ndarray
+
+    def n_windows(self, seq_len: int) -> int:
+        from jdp.data.tokens import n_windows
+
+        return n_windows(self.stream, seq_len)
+
+    def rows(self, idx: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+        from jdp.data.tokens import windows
+
+        return windows(self.stream, idx, seq_len)
+
+    def eval_batches(self, seq_len: int, batch_size: int, rows: slice):
+        """Its validation batches, this process's rows; None when it holds no validation window."""
+        from jdp.data.tokens import eval_batches
+
+        return eval_batches(self.val, seq_len, batch_size, rows) if len(self.val) > seq_len else None
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.stream)
+
+    @property
+    def n_val_tokens(self) -> int:
+        return len(self.val)
+
+    def describe(self, n_windows: int) -> str:
+        return (f"{self.n_docs:,} documents ({self.n_empty} empty, skipped), {len(self.stream):,} tokens = "
+                f"{n_windows:,} windows")  # fmt: skip
+
+    def fingerprint(self) -> dict:
+        return {"tokens": len(self.stream), "val_tokens": len(self.val), "sha256": digest(self.stream, self.val)}
 
 
 class Mixture(Windows):
@@ -189,15 +222,13 @@ class Mixture(Windows):
         """Each source's, by label: its token streams whole (a stream: its files and validation tokens)."""
         if streams := getattr(self, "streams", None):
             return {s.label: st.fingerprint_with(s.val) for s, st in zip(self.sources, streams, strict=True)}
-        return {s.label: {"tokens": len(s.stream), "val_tokens": len(s.val), "sha256": digest(s.stream, s.val)}
-                for s in self.sources}  # fmt: skip
+        return {s.label: s.fingerprint() for s in self.sources}
 
     def eval_sets(self, data) -> list:
         """One validation set per source that has a window of them: (label, its batches)."""
-        from jdp.data.tokens import eval_batches
 
-        return [(s.label, eval_batches(s.val, self.seq_len, self.batch_size, data.rows))
-                for s in self.sources if len(s.val) > self.seq_len]  # fmt: skip
+        return [(s.label, batches) for s in self.sources
+                if (batches := s.eval_batches(self.seq_len, self.batch_size, data.rows)) is not None]  # fmt: skip
 
 
 def assemble(sources: np.ndarray, part) -> dict[str, np.ndarray]:
@@ -220,13 +251,12 @@ class MixtureBatches(Mixture):
 
     def __init__(self, sources: list[Source], weights: tuple[int, ...], seq_len: int, batch_size: int, seed: int):
         from jdp.data.dataset import GlobalOrder
-        from jdp.data.tokens import n_windows
 
         self.sources, self.seq_len, self.batch_size, self.seed = sources, seq_len, batch_size, seed
         self.labels = [s.label for s in sources]
         self.weights = tuple(weights)
         self.schedule = Schedule(self.weights)
-        self.sizes = np.asarray([n_windows(s.stream, seq_len) for s in sources], np.int64)
+        self.sizes = np.asarray([s.n_windows(seq_len) for s in sources], np.int64)
         self.orders = [GlobalOrder(int(n), 1, seed, stream=k + 1) for k, n in enumerate(self.sizes)]
         self.n = int(self.sizes.sum())
 
@@ -241,18 +271,16 @@ class MixtureBatches(Mixture):
 
     def batch(self, step: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
         """This process's rows of global batch `step`: each row from its own source's stream."""
-        from jdp.data.tokens import windows
-
         sources, idx = (a[rows] for a in self.rows_of(step))
-        return assemble(sources, lambda k, sel: windows(self.sources[k].stream, idx[sel], self.seq_len))
+        return assemble(sources, lambda k, sel: self.sources[k].rows(idx[sel], self.seq_len))
 
     def local_batch(self, step: int, rows: slice) -> dict[str, np.ndarray]:
         return self.batch(step, rows)
 
     def banner(self, data) -> str:
         val = (
-            f"val {sum(len(s.val) for s in self.sources):,} tokens"
-            if any(len(s.val) for s in self.sources)
+            f"val {sum(s.n_val_tokens for s in self.sources):,} tokens"
+            if any(s.n_val_tokens for s in self.sources)
             else "no validation"
         )
         return (
@@ -277,7 +305,7 @@ class MixtureBatches(Mixture):
         given, shares = self.given(step), self.shares()
         total = max(int(given.sum()), 1)
         return {
-            s.label: {"documents": s.n_docs, "tokens": len(s.stream), "tokens_trained": int(g) * self.seq_len,
+            s.label: {"documents": s.n_docs, "tokens": s.n_tokens, "tokens_trained": int(g) * self.seq_len,
                       "share": share, "share_trained": int(g) / total, "epochs": int(g) / int(n)}
             for s, g, n, share in zip(self.sources, given, self.sizes, shares, strict=True)
         }  # fmt: skip
@@ -291,8 +319,7 @@ class MixtureBatches(Mixture):
     def describe_sources(self, steps: int) -> list[str]:
         """One line per source: documents, tokens, windows, share, and its epochs after `steps` steps."""
         return [
-            f"{s.label}: {s.n_docs:,} documents ({s.n_empty} empty, skipped), {len(s.stream):,} tokens = {n:,} "
-            f"windows, share {share:.1%}, {g / n:.3f} epochs in {steps} steps"
+            f"{s.label}: {s.describe(int(n))}, share {share:.1%}, {g / n:.3f} epochs in {steps} steps"
             for s, n, share, g in zip(self.sources, self.sizes, self.shares(), self.given(steps), strict=True)
         ]
 

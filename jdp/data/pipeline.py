@@ -169,7 +169,23 @@ def load_text(corpus, tokenizer, cfg: DataConfig, batch_size: int, seed: int, ro
     return train, tokens
 
 
-formats.attach("text", load_text)
+def text_source(corpus, tokenizer, sub: DataConfig, seed: int, label: str) -> Source:
+    """data.format=text as a data.sources entry: its documents tokenized (and cached) as data.source's would be."""
+    tokens = tokenize(corpus.train, tokenizer, sub, seed, corpus.val)
+    if n_windows(tokens.train, sub.seq_len) == 0:
+        raise ConfigError(
+            f"data.sources: source {label!r} ({sub.source}) holds {len(tokens.train)} training tokens, not one "
+            f"window of data.seq_len+1={sub.seq_len + 1}; give it more data or leave it out"
+        )
+    if sub.val_tokens > 0 and n_windows(tokens.val, sub.seq_len) == 0:
+        raise ConfigError(
+            f"data.sources: source {label!r} ({sub.source}) holds out {len(tokens.val)} validation tokens, fewer "
+            f"than data.seq_len+1={sub.seq_len + 1}; raise its val_tokens, or set val_tokens: 0 for that source"
+        )
+    return Source(label, tokens.train, tokens.n_docs, tokens.n_empty, tokens.val)
+
+
+formats.attach("text", load_text, mix=text_source)
 
 
 def load_mixture(
@@ -186,6 +202,9 @@ def load_mixture(
                                                     if k in SOURCE_KEYS and k not in ("weight", "label")})
             for entry in cfg.sources]  # fmt: skip
     _check_disjoint(subs, labels)
+    fmt = formats.get(cfg.format)
+    if fmt.mix is None and not cfg.streaming:
+        raise ConfigError(f"data.format={cfg.format} with data.sources: this format has no mixture loader (mix)")
     for sub, label in zip(subs, labels, strict=True):
         with _named_as_source(label, sub.source):
             corpus = open_corpus(sub, streaming=cfg.streaming)
@@ -203,18 +222,7 @@ def load_mixture(
             sources.append(Source(label, np.zeros(0, np.uint16), 0, 0, val))
             continue
         with _named_as_source(label, sub.source):
-            tokens = tokenize(corpus.train, tokenizer, sub, seed, corpus.val)
-        if n_windows(tokens.train, cfg.seq_len) == 0:
-            raise ConfigError(
-                f"data.sources: source {label!r} ({sub.source}) holds {len(tokens.train)} training tokens, not one "
-                f"window of data.seq_len+1={cfg.seq_len + 1}; give it more data or leave it out"
-            )
-        if sub.val_tokens > 0 and n_windows(tokens.val, cfg.seq_len) == 0:
-            raise ConfigError(
-                f"data.sources: source {label!r} ({sub.source}) holds out {len(tokens.val)} validation tokens, fewer "
-                f"than data.seq_len+1={cfg.seq_len + 1}; raise its val_tokens, or set val_tokens: 0 for that source"
-            )
-        sources.append(Source(label, tokens.train, tokens.n_docs, tokens.n_empty, tokens.val))
+            sources.append(fmt.mix(corpus, tokenizer, sub, seed, label))
     if cfg.streaming:
         return StreamMixture(streams, sources, weights, cfg.seq_len, batch_size, rows)
     mixture = MixtureBatches(sources, weights, cfg.seq_len, batch_size, seed)

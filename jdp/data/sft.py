@@ -1,11 +1,11 @@
 """Fine-tuning data (data.format=chat or prompt): examples whose loss falls only on the answer, packed whole into
 windows.
 
-chat: a `messages` column (a list of {role, content}) rendered with the tokenizer's own chat template (the Jinja
-`chat_template` of its tokenizer_config.json, or data.chat_template), without `transformers`. The answer tokens are
-those of each assistant turn: the text the template adds for message i (rendering messages[:i+1]) beyond the prompt
-it renders for it (messages[:i] with add_generation_prompt), end-of-turn markers included, found by character
-offsets in the tokenization of the whole conversation, so the tokens are exactly the whole text's.
+chat: a `messages` column (a list of {role, content}, tool calls and tool results as the template renders them; a
+`tools` column, if any, is passed to the template) rendered with the tokenizer's own chat template, without
+`transformers`; which tokens are answers is chat.py's (transformers' assistant mask where the template marks them,
+the same rule where it does not), found by character offsets in the tokenization of the whole conversation, so the
+tokens are exactly the whole text's.
 prompt: `prompt` and `completion` columns; the completion and an end-of-document token are the answer.
 
 Each example is [end-of-document] + its tokens (the end-of-document token starts it, as data.document_attention=within
@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,136 +28,17 @@ from filelock import FileLock
 
 from jdp.config import ConfigError, DataConfig
 from jdp.data import formats
+from jdp.data.chat import ChatTemplate, chat_example
 from jdp.data.corpus import cache_root
 from jdp.data.dataset import GlobalOrder, Windows, digest
 from jdp.data.tokens import Tokens
 from jdp.log import logger
 
-__all__ = ["ChatTemplate", "ExampleBatches", "Examples", "load_examples", "load_windows", "pack"]
+__all__ = ["ChatTemplate", "ExampleBatches", "Examples", "chat_example", "load_examples", "load_windows", "pack"]
 
 log = logger("jdp.sft")
 
-FORMAT_VERSION = 1
-
-
-class _TemplateRefused(Exception):
-    """raise_exception(message) in a chat template: the template's own refusal of a conversation."""
-
-
-class ChatTemplate:
-    """A tokenizer's Jinja chat template, rendered as transformers renders it (a sandboxed environment with
-    trim_blocks and lstrip_blocks, `raise_exception`, `tojson`, `strftime_now`; bos_token and eos_token set)."""
-
-    def __init__(self, source: str, where: str, special: dict | None = None):
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            raise _TemplateRefused(message)
-
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )
-        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent,
-                                                                                      ensure_ascii=ensure_ascii)  # fmt: skip
-        env.globals.update(raise_exception=raise_exception, strftime_now=time.strftime)
-        try:
-            self.template = env.from_string(source)
-        except jinja2.TemplateSyntaxError as e:
-            raise ConfigError(f"the chat template ({where}) is not valid Jinja: line {e.lineno}: {e.message}") from None
-        self.source, self.where, self.special = source, where, dict(special or {})
-        self.digest = hashlib.sha256(json.dumps([source, self.special]).encode()).hexdigest()[:16]
-
-    def render(self, messages: list[dict], add_generation_prompt: bool = False, at: str = "a conversation") -> str:
-        """The template's text for `messages`; what it raises is one ConfigError naming the template and `at`."""
-        try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        **self.special)  # fmt: skip
-        except _TemplateRefused as e:
-            raise ConfigError(f"{at}: the chat template ({self.where}) refused it: {e}") from None
-        except Exception as e:  # an undefined attribute, a type error, the sandbox: the template's or the data's
-            raise ConfigError(
-                f"{at}: the chat template ({self.where}) failed on it: {type(e).__name__}: {e} (is the conversation "
-                f"in the shape the template expects, {{role, content}} messages?)"
-            ) from None
-
-    @classmethod
-    def load(cls, cfg: DataConfig) -> ChatTemplate:
-        """data.chat_template (a .jinja file or a tokenizer_config.json), else the tokenizer directory's
-        tokenizer_config.json."""
-        path = Path(cfg.chat_template or cfg.tokenizer).expanduser()
-        if path.is_dir():
-            path = path / "tokenizer_config.json"
-        elif not cfg.chat_template and path.is_file():  # data.tokenizer=.../tokenizer.json: its directory's
-            path = path.with_name("tokenizer_config.json")
-        if cfg.chat_template and not path.is_file():
-            raise ConfigError(
-                f"data.chat_template={cfg.chat_template}: no such file; give a .jinja file or a tokenizer_config.json "
-                f"that holds a chat_template"
-            )
-        if cfg.tokenizer == "byte" and not cfg.chat_template or not path.is_file():
-            raise ConfigError(
-                f"data.format=chat needs a chat template: data.tokenizer={cfg.tokenizer} "
-                f"{'has none' if cfg.tokenizer == 'byte' else f'has no {path}'}; set data.chat_template to a .jinja "
-                f"file or a tokenizer_config.json that holds one"
-            )
-        if path.suffix != ".json":
-            return cls(path.read_text(), str(path))
-        config = json.loads(path.read_text())
-        template = config.get("chat_template")
-        if isinstance(template, list):  # several named templates: the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        if not isinstance(template, str):
-            raise ConfigError(f"{path} has no chat_template; set data.chat_template to a .jinja file")
-        special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token")}
-        return cls(template, str(path), special)
-
-
-def _token_text(token) -> str:
-    return token.get("content", "") if isinstance(token, dict) else (token or "")
-
-
-def answer_spans(messages: list[dict], template: ChatTemplate, where: str) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans of its assistant turns."""
-    text, spans = template.render(messages, at=where), []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            raise ConfigError(f"{where}: message {i} is {message!r:.80}, not a {{role, content}} mapping")
-        if message["role"] != "assistant":
-            continue
-        before = template.render(messages[:i], add_generation_prompt=True, at=where)
-        through = template.render(messages[: i + 1], at=where)
-        if not (text.startswith(through) and through.startswith(before)):
-            raise ConfigError(
-                f"{where}: the chat template ({template.where}) does not render the conversation as a growing text "
-                f"(message {i}'s prompt is not a prefix of the conversation), so its answer cannot be located"
-            )
-        spans.append((len(before), len(through)))
-    return text, spans
-
-
-def encode_with_offsets(tokenizer, text: str) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids of `text` and each token's start, in characters."""
-    tok = getattr(tokenizer, "_tok", None)
-    if tokenizer.name == "byte":
-        data = text.encode("utf-8")
-        char_at_byte = np.repeat(np.arange(len(text)), [len(c.encode("utf-8")) for c in text])
-        return np.frombuffer(data, np.uint8).astype(np.int64), char_at_byte[: len(data)]
-    if tok is not None and hasattr(tok, "encode") and hasattr(tok, "get_vocab_size"):  # tokenizers.Tokenizer
-        enc = tok.encode(text, add_special_tokens=False)
-        return np.asarray(enc.ids, np.int64), np.asarray([start for start, _ in enc.offsets], np.int64)
-    out = tok(text, add_special_tokens=False, return_offsets_mapping=True)  # a transformers fast tokenizer
-    return np.asarray(out["input_ids"], np.int64), np.asarray([s for s, _ in out["offset_mapping"]], np.int64)
-
-
-def chat_example(messages, template: ChatTemplate, tokenizer, where: str) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, weights) of one conversation: weight 1 on the tokens that start inside an assistant turn."""
-    text, spans = answer_spans(list(messages), template, where)
-    ids, starts = encode_with_offsets(tokenizer, text)
-    weights = np.zeros(len(ids), np.uint8)
-    for lo, hi in spans:
-        weights[(starts >= lo) & (starts < hi)] = 1
-    return ids, weights
+FORMAT_VERSION = 2  # 2: answers as transformers marks them (chat.py)
 
 
 def prompt_example(prompt: str, completion: str, tokenizer) -> tuple[np.ndarray, np.ndarray]:
@@ -185,6 +65,13 @@ class Examples:
         t = self.tokens[rows].astype(np.int32)
         w = self.weights[rows, 1:].astype(np.float32) * valid[:, None]
         return {"inputs": t[:, :-1], "targets": t[:, 1:], "weights": w}
+
+    def eval_batches(self, batch_size: int, rows: slice):
+        """Every window once, in order, this process's rows; the last batch padded with zero-weight rows."""
+        n = len(self.tokens)
+        for start in range(0, n, batch_size):
+            idx = np.arange(start, start + batch_size)
+            yield self.batch(np.where(idx < n, idx, -1)[rows])
 
     def describe(self) -> str:
         cut = f"{self.truncated} truncated, {self.dropped} dropped (longer than a window, data.overlong)"
@@ -231,7 +118,7 @@ def _examples(ds, tokenizer, cfg: DataConfig, template: ChatTemplate | None, whe
         if cfg.format == "chat":
             if not isinstance(messages := row["messages"], list):
                 raise ConfigError(f"{at}: messages is {messages!r:.80}, not a list of {{role, content}} mappings")
-            out.append(chat_example(messages, template, tokenizer, at))
+            out.append(chat_example(messages, template, tokenizer, at, row.get("tools")))
             if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages):
                 empty.append(i)
             continue
@@ -332,37 +219,75 @@ class ExampleBatches(Windows):
     def epoch(self, step: int) -> float:
         return self.order.epoch(step)
 
-    def eval_batches(self, rows: slice):
-        n = len(self.val.tokens)
-        for start in range(0, n, self.batch_size):
-            idx = np.arange(start, start + self.batch_size)
-            yield self.val.batch(np.where(idx < n, idx, -1)[rows])
-
     def eval_sets(self, data) -> list:
-        return [("", self.eval_batches(data.rows))]
+        return [("", self.val.eval_batches(self.batch_size, data.rows))]
 
     def describe(self) -> str:
         return f"train {self.examples.describe()} | val {self.val.describe()}"
 
     def fingerprint(self, data) -> dict[str, dict]:
-        """The packed windows and their answer weights, training and validation, whole."""
-        t, v = self.examples, self.val
-        return {"": {"windows": len(t.tokens), "val_windows": len(v.tokens),
-                     "sha256": digest(t.tokens, t.weights, v.tokens, v.weights)}}  # fmt: skip
+        return {"": examples_fingerprint(self.examples, self.val)}
 
     def banner(self, data) -> str:
         return f"{self.describe()} | {data.describe_tokenizer()}"
 
 
-def load_windows(corpus, tokenizer, cfg: DataConfig, batch_size: int, seed: int, rows: slice, rank: int, world: int):
-    """data.format=chat or prompt: examples packed whole into windows, the loss on their answers; their validation
-    examples are theirs (the returned validation tokens are empty)."""
-    train_ex, val_ex = load_examples(corpus, tokenizer, cfg, seed)
-    if len(train_ex.tokens) < batch_size:
-        raise ConfigError(
-            f"data.source={cfg.source}: {train_ex.describe()}, fewer windows than one global batch "
-            f"(train.batch_size={batch_size}); use more data, a longer data.seq_len or a smaller batch"
-        )
+def examples_fingerprint(train: Examples, val: Examples) -> dict:
+    """The packed windows and their answer weights, training and validation, whole."""
+    return {"windows": len(train.tokens), "val_windows": len(val.tokens),
+            "sha256": digest(train.tokens, train.weights, val.tokens, val.weights)}  # fmt: skip
+
+
+@dataclass
+class ExampleSource:
+    """Fine-tuning data as one source of a mixture (data.sources with data.format=chat or prompt): what
+    mixture.MixtureBatches asks of a source (mixture.Source's methods), over its packed windows."""
+
+    label: str
+    train: Examples
+    val: Examples
+    seq_len: int
+
+    n_empty = 0
+
+    @property
+    def n_docs(self) -> int:
+        return self.train.n_examples
+
+    def n_windows(self, seq_len: int) -> int:
+        return len(self.train.tokens)
+
+    def rows(self, idx: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+        return self.train.batch(idx)
+
+    def eval_batches(self, seq_len: int, batch_size: int, rows: slice):
+        return self.val.eval_batches(batch_size, rows) if len(self.val.tokens) else None
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.train.tokens) * self.seq_len
+
+    @property
+    def n_val_tokens(self) -> int:
+        return len(self.val.tokens) * self.seq_len
+
+    def describe(self, n_windows: int) -> str:
+        return self.train.describe()
+
+    def fingerprint(self) -> dict:
+        return examples_fingerprint(self.train, self.val)
+
+
+def examples_source(corpus, tokenizer, sub: DataConfig, seed: int, label: str) -> ExampleSource:
+    """data.format=chat or prompt as a data.sources entry: its examples packed (and cached) as data.source's."""
+    train, val = load_examples(corpus, tokenizer, sub, seed)
+    _check_examples(train, val, sub)
+    return ExampleSource(label, train, val, sub.seq_len)
+
+
+def _check_examples(train_ex: Examples, val_ex: Examples, cfg: DataConfig) -> None:
+    if not len(train_ex.tokens):
+        raise ConfigError(f"data.source={cfg.source}: no training window ({train_ex.describe()})")
     if train_ex.answer_tokens == 0:
         raise ConfigError(
             f"data.source={cfg.source}: no training example keeps a token of its answer ({train_ex.describe()}): "
@@ -373,9 +298,21 @@ def load_windows(corpus, tokenizer, cfg: DataConfig, batch_size: int, seed: int,
         log.warning(f"data.overlong={cfg.overlong}: {train_ex.describe()}")
     if cfg.val_tokens > 0 and not len(val_ex.tokens):
         raise ConfigError(f"data.source={cfg.source}: no validation examples; raise data.val_tokens or set it to 0")
+
+
+def load_windows(corpus, tokenizer, cfg: DataConfig, batch_size: int, seed: int, rows: slice, rank: int, world: int):
+    """data.format=chat or prompt: examples packed whole into windows, the loss on their answers; their validation
+    examples are theirs (the returned validation tokens are empty)."""
+    train_ex, val_ex = load_examples(corpus, tokenizer, cfg, seed)
+    _check_examples(train_ex, val_ex, cfg)
+    if len(train_ex.tokens) < batch_size:
+        raise ConfigError(
+            f"data.source={cfg.source}: {train_ex.describe()}, fewer windows than one global batch "
+            f"(train.batch_size={batch_size}); use more data, a longer data.seq_len or a smaller batch"
+        )
     empty = Tokens(np.zeros(0, np.uint16), np.zeros(0, np.uint16), train_ex.n_examples, 0)
     return ExampleBatches(train_ex, val_ex, batch_size, seed), empty
 
 
-formats.attach("chat", load_windows)
-formats.attach("prompt", load_windows)
+formats.attach("chat", load_windows, mix=examples_source)
+formats.attach("prompt", load_windows, mix=examples_source)
