@@ -470,6 +470,8 @@ def export(model, cfg, out_dir: str | Path, tokenizer_path: str = "byte") -> lis
     if imported:  # the original's special ids (Llama's bos differs from its eos), as its tokenizer has them
         original = json.loads((Path(source) / CONFIG).read_text())
         ids = {k: original[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in original} or ids
+    if m.pad_id >= 0:  # the row transformers then builds with padding_idx, as jdp trained it
+        ids["pad_token_id"] = m.pad_id
     hf_config = {"architectures": [arch.class_name], "model_type": arch.model_type, "vocab_size": vocab,
                  **arch.hf_config(m), **ids, "torch_dtype": "float32", "dtype": "float32"}  # fmt: skip
     tmp = out.with_name(out.name + ".tmp-export")

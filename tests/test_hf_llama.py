@@ -477,3 +477,32 @@ def test_a_square_tensor_of_the_wrong_shape_is_named_without_a_transpose_that_ch
         hf.load_model(hf.model_config(d), d)
     assert f"has shape ({rows}, {cols + 1}); jdp's blocks.0.attn.v.kernel is ({rows}, {cols})" in str(e.value)
     assert "transposed" not in str(e.value)
+
+
+def test_the_pad_token_ids_row_gets_no_gradient_from_its_lookups_as_with_transformers_padding_idx(tmp_path):
+    """Issue 43: transformers builds the embedding with padding_idx=pad_token_id, so fine-tuning never moves that
+    row through its lookups; jdp's did (norm 7.4e-2 in one step). config.json's pad_token_id is model.pad_id now:
+    the same loss, the same gradient everywhere else, none on that row from the lookups; an export writes it back."""
+    from jdp.models import make_model
+    from jdp.models.common import lm_loss
+
+    d = tmp_path / "padded"
+    shutil.copytree(LLAMA, d)
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "pad_token_id": 3}))
+    assert hf.model_config(d).pad_id == 3 and hf.model_config(LLAMA).pad_id == -1
+    small = ModelConfig(arch="llama", vocab_size=64, max_seq_len=16, d_model=32, n_layers=1, n_heads=2, d_ff=64,
+                        tie_embeddings=False)  # fmt: skip
+    rng = np.random.default_rng(0)
+    inputs = rng.integers(0, 64, (4, 16)).astype(np.int32)
+    inputs[:, ::3] = 3  # the padding id as an input, as packed data with pad = eos has it
+    batch = {"inputs": inputs, "targets": rng.integers(0, 64, (4, 16)).astype(np.int32),
+             "weights": np.ones((4, 16), np.float32)}  # fmt: skip
+    grads = {}
+    for pad in (-1, 3):
+        model = make_model(dataclasses.replace(small, pad_id=pad), nnx.Rngs(0))
+        loss, grad = nnx.value_and_grad(lambda m: lm_loss(m, batch)[0])(model)
+        grads[pad] = (float(loss), np.asarray(grad.embed.embedding[...]))
+    assert grads[-1][0] == grads[3][0]  # the values computed are the same
+    assert np.abs(grads[-1][1][3]).max() > 0 and np.abs(grads[3][1][3]).max() == 0
+    np.testing.assert_array_equal(np.delete(grads[-1][1], 3, axis=0), np.delete(grads[3][1], 3, axis=0))

@@ -39,6 +39,9 @@ class ModelConfig:
     rope_original_max_len: int = 8192  # llama3: the context the model was first trained at
     qkv_bias: bool = False  # biases on the q, k and v projections only (Qwen2)
     tie_embeddings: bool = True  # the output projection is the token embedding (GPT's always is); false: lm_head
+    # The padding token's embedding row (config.json's pad_token_id, set by an import): its lookups pass no gradient
+    # to it, as transformers' nn.Embedding(padding_idx=...) has it; -1: none
+    pad_id: int = -1
 
     @property
     def kv_heads(self) -> int:
@@ -53,4 +56,4 @@ class ModelConfig:
 
 # The keys every family reads (the rest are a family's own: its KEYS).
 SHARED_KEYS = ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "dtype", "param_dtype", "attention",
-               "vocab_valid", "arch", "norm_eps")  # fmt: skip
+               "vocab_valid", "arch", "norm_eps", "pad_id")  # fmt: skip

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jdp.attention import attention
-from jdp.models.common import mask_padded_vocab, token_embedding
+from jdp.models.common import mask_padded_vocab, pad_id_of, token_embedding
 from jdp.models.config import ModelConfig
 from jdp.models.hf_names import Architecture
 
@@ -195,6 +195,7 @@ def _gpt2_fields(hf: dict) -> tuple[dict, list[str]]:
         "bias": True,
         "arch": "gpt",
         "norm_eps": hf.get("layer_norm_epsilon", 1e-5),
+        "pad_id": pad_id_of(hf, hf.get("vocab_size", 50257)),
     }
     return fields, problems
 

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from jdp.attention import attention
-from jdp.models.common import mask_padded_vocab, token_embedding
+from jdp.models.common import mask_padded_vocab, pad_id_of, token_embedding
 from jdp.models.config import ModelConfig
 from jdp.models.hf_names import Architecture
 
@@ -375,6 +375,7 @@ def _llama_fields(hf: dict) -> tuple[dict, list[str]]:
         "norm_eps": float(get("rms_norm_eps")),
         "qkv_bias": model_type == "qwen2",  # Qwen2's q/k/v projections always have biases, its o_proj never
         "tie_embeddings": bool(get("tie_word_embeddings")),
+        "pad_id": pad_id_of(hf, get("vocab_size")),
         "bias": False,
         **rope,
     }
