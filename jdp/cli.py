@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
+import threading
 from pathlib import Path
 
 from jdp.config import ConfigError, split_config_args
 from jdp.hardware import DEFAULT_MFU, GPUS, INTERCONNECTS
-from jdp.log import PLAIN, install, logger
+from jdp.log import PLAIN, install, logger, speaks
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
@@ -86,6 +88,8 @@ def _train(args: argparse.Namespace) -> int:
         log.error(str(e))
         return 1
     except (RunError, ConfigError) as e:
+        if (interrupt := interrupt_in(e)) is not None:  # what the interrupt broke (an import, a compile), not why
+            raise interrupt from None
         log.error(str(e))
         code = 1 if isinstance(e, RunError) else 2
         if world.num_processes > 1:
@@ -283,8 +287,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def interrupt_in(error: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C behind an error (an ImportError a C extension raised for it, a RunError around that), if any."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    from jdp.job.process import INTERRUPTED_EXIT, flush_every_line, tolerate_broken_pipes
+    from jdp.job.process import INTERRUPTED_EXIT, StartupInterrupts, flush_every_line, tolerate_broken_pipes
 
     flush_every_line()  # each line reaches a file when printed, even if the process is then killed
     tolerate_broken_pipes()  # output to a reader that is gone is dropped; the command goes on
@@ -295,13 +310,27 @@ def main(argv: list[str] | None = None) -> int:
         args.args += extra  # overrides given after an option: jdp allreduce tiny --devices 4 parallel.bucket_mb=1
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    # Ctrl-C from the first line (importing JAX, joining the job) until `jdp train`'s loop takes the signals over, or
+    # the command ends: one line and exit 130, never dropped (job/process.py). `jdp launch` handles its own.
+    name = args.command_name
+    own = name == "launch" or threading.current_thread() is not threading.main_thread()
+    phase = "starting" if name == "train" else f"running jdp {name}"  # the trainer names its phases from here on
+    interrupts = contextlib.nullcontext() if own else StartupInterrupts(lambda: phase, check_on_exit=False)
     try:
-        return args.func(args)
+        with interrupts:
+            return args.func(args)
     except ConfigError as e:
         log.error(str(e))
         return 2
+    except ImportError as e:  # a C extension's initialization interrupted by Ctrl-C fails as "initialization failed"
+        if (interrupt := interrupt_in(e)) is None:
+            raise
+        if speaks():
+            log.info(f"interrupted while {getattr(interrupt, 'phase', 'starting')}", extra=PLAIN)
+        return INTERRUPTED_EXIT
     except KeyboardInterrupt as e:  # Ctrl-C before the loop took the signals over (it stops at a step and saves)
-        log.info(f"interrupted while {getattr(e, 'phase', 'starting')}", extra=PLAIN)
+        if speaks():  # rank 0 says it for the job (a worker of jdp launch knows its rank before it joins)
+            log.info(f"interrupted while {getattr(e, 'phase', 'starting')}", extra=PLAIN)
         return INTERRUPTED_EXIT
 
 

@@ -12,10 +12,11 @@ not a log message and stays a print. No JAX here: `jdp --help` starts without it
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 
-__all__ = ["EVERY_RANK", "PLAIN", "Formatter", "Handler", "RankFilter", "install", "logger", "set_rank"]
+__all__ = ["EVERY_RANK", "PLAIN", "Formatter", "Handler", "RankFilter", "install", "logger", "set_rank", "speaks"]
 
 ROOT = "jdp"
 EVERY_RANK = {"all_ranks": True}  # extra= for a notice each process gives about itself, not the job
@@ -31,6 +32,13 @@ def set_rank(rank: int) -> None:
     """This process's rank in the job, for the RankFilter (jdp sets it where the process joins the job)."""
     global _rank
     _rank = int(rank)
+
+
+def speaks() -> bool:
+    """Whether this process speaks for the job: rank 0, or, before it has joined, not a worker `jdp launch`
+    numbered otherwise (JAX_PROCESS_ID)."""
+    launched = os.environ.get("JAX_PROCESS_ID", "")
+    return _rank == 0 and not (launched.isdigit() and int(launched) > 0)
 
 
 def logger(name: str) -> logging.Logger:

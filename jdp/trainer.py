@@ -13,7 +13,6 @@ import dataclasses
 import json
 import math
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -47,7 +46,7 @@ from jdp.data.corpus import cache_root
 from jdp.data.dataset import Source, source_for
 from jdp.job.coordination import PeerMonitor, announce_departure, describe_hosts, first_departure, publish_host
 from jdp.job.join import initialize
-from jdp.job.process import Interrupted, StartupInterrupts, watch_launcher
+from jdp.job.process import Interrupted, StartupInterrupts, startup_interrupts, watch_launcher
 from jdp.job.world import World, WorldError, resolve_world
 from jdp.job.xla import keep_scratch_memory, use_compilation_cache
 from jdp.log import PLAIN, logger, set_rank
@@ -219,8 +218,8 @@ class Trainer:
             announce_departure(f"found bad input: {e}")
             raise
         except KeyboardInterrupt as e:
-            if isinstance(interrupts, StartupInterrupts):
-                interrupts.answer()
+            if (guard := startup_interrupts()) is not None:
+                guard.answer()  # this thread unwinds and says it: the watch thread need not
             announce_departure("was interrupted")
             raise e if isinstance(e, Interrupted) else Interrupted(phases.now) from None
         except Exception as e:
@@ -234,11 +233,15 @@ class Trainer:
             RunDir.remove_if_empty(created)  # e.g. the data or tokenizer was bad: no empty run directory stays
 
     def startup_interrupts(self, phases: Phases, cleanup: Callable[[], object]):
-        """Ctrl-C before the loop, for the command line (which has the loop take the signals over): never
-        dropped, answered within seconds even while compiling (job/process.py). A library user's signals are left
-        alone."""
-        if (not self.handle_signals or threading.current_thread() is not threading.main_thread()
-                or signal.getsignal(signal.SIGINT) is signal.SIG_IGN):  # nohup, `cmd &`: Ctrl-C is not for it
+        """Ctrl-C before the loop (which then takes the signals over): never dropped, answered within seconds even
+        while compiling (job/process.py). The `jdp` command installs it at its first line (imports, joining the
+        job); here it learns the phases and what to clean up. A library user's signals are left alone unless
+        handle_signals asks."""
+        if (guard := startup_interrupts()) is not None:
+            guard.phase, guard.cleanup = (lambda: phases.now), cleanup
+            phases.check = guard.check
+            return guard.until_the_loop()
+        if not self.handle_signals or threading.current_thread() is not threading.main_thread():
             return contextlib.nullcontext()
         interrupts = StartupInterrupts(lambda: phases.now, cleanup)
         phases.check = interrupts.check

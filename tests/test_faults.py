@@ -554,7 +554,7 @@ def _interrupted(args, env, when) -> tuple[subprocess.CompletedProcess, float]:
     return subprocess.CompletedProcess(args, proc.returncode, "".join(lines), ""), took
 
 
-PHASES = ("starting", "joining the job", "loading data", "building the model", "building the model and compiling",
+PHASES = ("starting", "setting up", "joining the job", "loading data", "building the model", "building the model and compiling",
           "looking for checkpoints")  # fmt: skip
 
 
@@ -589,4 +589,4 @@ def test_ctrl_c_at_start_up_is_one_line_and_exit_130_never_a_run_that_carries_on
     assert took < 60, f"answered {took:.0f} s after the signal"
     if moment == "launched":
         assert "jdp launch: got SIGINT: passing it to the workers" in out.stdout
-        assert "stopped on the interrupt; stopping the other workers" in out.stdout, out.stdout[-3000:]
+        assert "stopped on the interrupt; waiting for the others to stop on it too" in out.stdout, out.stdout[-3000:]

@@ -322,8 +322,10 @@ class Launcher:
                         t.join(timeout=2)
                 say("all workers finished")
                 return 0
-            if self.signalled and code == INTERRUPTED_EXIT:  # it said `interrupted while <phase>`
-                say(f"worker rank {failed.rank} stopped on the interrupt; stopping the other workers")
+            if self.signalled and code == INTERRUPTED_EXIT:  # stopped on the interrupt every worker was passed
+                say(f"worker rank {failed.rank} stopped on the interrupt; waiting for the others to stop on it too")
+                while time.monotonic() < self.kill_at and any(w.proc.poll() is None for w in self.workers):
+                    time.sleep(0.05)  # each says why it stopped (rank 0 for the job) before the rest are ended
             else:
                 say(
                     f"worker rank {failed.rank} (local rank {failed.local_rank}, pid {failed.proc.pid}) "

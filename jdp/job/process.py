@@ -9,13 +9,14 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
-from jdp.log import logger
+from jdp.log import logger, speaks
 
 __all__ = [
     "INTERRUPTED_EXIT", "LAUNCHER_GRACE_S", "LAUNCHER_PID", "Interrupted", "StartupInterrupts", "flush_every_line",
-    "tolerate_broken_pipes", "watch_launcher",
+    "startup_interrupts", "tolerate_broken_pipes", "watch_launcher",
 ]  # fmt: skip
 
 log = logger("jdp.process")
@@ -111,6 +112,12 @@ class Interrupted(KeyboardInterrupt):
 
 
 INTERRUPTED_EXIT = 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
+_current: StartupInterrupts | None = None  # the one installed (the command line's), if any
+
+
+def startup_interrupts() -> StartupInterrupts | None:
+    """The StartupInterrupts in force (the `jdp` command's, from its first line), or None."""
+    return _current
 
 
 class StartupInterrupts:
@@ -124,26 +131,55 @@ class StartupInterrupts:
     answered within `answer_s` (or at once on a second Ctrl-C): `jdp: interrupted while <phase>`, `cleanup()`,
     exit 130. Main thread only; the command line's runs (the library leaves a user's signals alone)."""
 
-    def __init__(self, phase, cleanup=lambda: None, answer_s: float = 2.0):
-        self.phase, self.cleanup, self.answer_s = phase, cleanup, answer_s
+    def __init__(self, phase, cleanup=lambda: None, answer_s: float = 2.0, check_on_exit: bool = True):
+        self.phase, self.cleanup, self.answer_s, self.check_on_exit = phase, cleanup, answer_s, check_on_exit
         self.count, self.answered = 0, threading.Event()
         self._previous = self._pipe = None
+        self.active = False
 
     def __enter__(self) -> StartupInterrupts:
+        global _current
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # nohup, `cmd &`: Ctrl-C is not for this process
+            return self
         self._previous = signal.signal(signal.SIGINT, self._on_signal)
         self._pipe = os.pipe()
         os.set_blocking(self._pipe[1], False)
         self._wakeup = signal.set_wakeup_fd(self._pipe[1], warn_on_full_buffer=False)
         threading.Thread(target=self._watch, daemon=True, name="jdp-interrupt-watch").start()
+        self._hook = sys.unraisablehook
+        sys.unraisablehook = self._unraisable
+        self.active, _current = True, self
         return self
 
+    def _unraisable(self, unraisable) -> None:
+        """Python's report of the interrupt it dropped (raised inside a `__del__` or a gc callback): not printed,
+        as it is not lost here (`check`, the watch thread); anything else goes to the hook there was."""
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            self._hook(unraisable)
+
     def __exit__(self, kind, error, tb) -> None:
-        signal.set_wakeup_fd(self._wakeup)
-        signal.signal(signal.SIGINT, self._previous)
-        self.answer()
-        os.close(self._pipe[1])  # the watch thread's select wakes, reads b"" and ends
-        if kind is None:
-            self.check()  # dropped inside a __del__ since the last phase began
+        self.hand_over(check=kind is None and self.check_on_exit)
+
+    def hand_over(self, check: bool = True) -> None:
+        """Give SIGINT back (to the training loop's own handling, or to what was there before); `check`: raise the
+        interrupt a `__del__` dropped since the last phase began, if there was one."""
+        global _current
+        if self.active:
+            signal.set_wakeup_fd(self._wakeup)
+            signal.signal(signal.SIGINT, self._previous)
+            if sys.unraisablehook == self._unraisable:
+                sys.unraisablehook = self._hook
+            self.answer()
+            os.close(self._pipe[1])  # the watch thread's select wakes, reads b"" and ends
+            self.active, _current = False, None
+        if check:
+            self.check()
+
+    @contextmanager
+    def until_the_loop(self) -> Iterator[StartupInterrupts]:
+        """The trainer's part of start-up: on leaving it without an error, SIGINT goes to the loop."""
+        yield self
+        self.hand_over()
 
     def _on_signal(self, sig, frame) -> None:
         self.count += 1
@@ -175,8 +211,9 @@ class StartupInterrupts:
                 if seen >= 2 or (deadline is not None and time.monotonic() >= deadline):
                     # no answer in time (the main thread is in C++, or dropped it and reached no phase), or a
                     # second Ctrl-C: end here
-                    sys.stderr.write(f"jdp: interrupted while {self.phase()}\n")
-                    sys.stderr.flush()
+                    if speaks():  # rank 0 says it for the job, as the loop's lines are said
+                        sys.stderr.write(f"jdp: interrupted while {self.phase()}\n")
+                        sys.stderr.flush()
                     try:
                         self.cleanup()
                     finally:
