@@ -198,6 +198,22 @@ def test_cpu_workers_get_disjoint_core_sets():
     assert cpu_groups(len(cores) + 1) is None  # fewer cores than workers: no pinning
 
 
+def test_gloos_connected_lines_are_dropped_even_when_two_clients_interleave_them():
+    """gloo's C++ writes its "connected" line in pieces; two CPU clients in one process interleave them (seen in CI:
+    "[Gloo] Rank [Gloo] Rank 0 is connected ..." and then "0 is connected ..."). Every such line is dropped; a line
+    with anything else in it is kept."""
+    from jdp.job.launch import _gloo_noise
+
+    whole = b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
+    interleaved = [b"[Gloo] Rank [Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1",
+                   b"0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1",
+                   b"[Gloo] Rank 0 is connected to 1[Gloo] Rank 1 is connected to 1",
+                   b" peer ranks. Expected number of connected peer ranks is : 1"]  # fmt: skip
+    assert _gloo_noise(whole) and all(_gloo_noise(line) for line in interleaved)
+    for kept in [b"[Gloo] Rank 0: connection refused", b"12", b"", b"jdp | step 3", whole + b" jdp | model"]:
+        assert not _gloo_noise(kept), kept
+
+
 # (the layout comparison above keeps SMALL: evaluations at steps 3 and 6 compared too)
 FAULTS_RUN = ["model.n_layers=2", "model.d_model=64", "model.max_seq_len=64", "data.seq_len=64", "train.batch_size=16"]
 FAULTS_RUN += ["train.log_every=1", "train.eval_every=0", "train.progress=false", "data.val_tokens=4096"]

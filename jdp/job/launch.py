@@ -130,7 +130,16 @@ def lost_peers(lines: list[str], nproc_per_node: int = 0) -> str:
     return ""
 
 
-_GLOO_CONNECTED = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer")
+# gloo's C++ writes "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1" once per
+# CPU client at start, in pieces; two clients in one process interleave them ("[Gloo] Rank [Gloo] Rank 0 is ..."), so a
+# line is gloo's when it holds a piece of that message and nothing but its pieces and numbers.
+_GLOO_PIECES = (b"[Gloo] Rank", b"is connected to", b"peer ranks. Expected number of connected peer ranks is :")
+_GLOO_REST = re.compile(rb"|".join(re.escape(p) for p in _GLOO_PIECES) + rb"|\d+|\s+")
+
+
+def _gloo_noise(text: bytes) -> bool:
+    """Whether a line is (pieces of) gloo's connected message: noise, nothing to act on."""
+    return any(p in text for p in _GLOO_PIECES) and not _GLOO_REST.sub(b"", text)
 
 
 def _pump(worker: Worker, stream, out, keep: bool) -> None:
@@ -142,7 +151,7 @@ def _pump(worker: Worker, stream, out, keep: bool) -> None:
         parts = re.split(rb"(\r|\n)", pending)
         pending = parts.pop()  # an unfinished line waits for the rest
         for text, end in zip(parts[0::2], parts[1::2], strict=True):
-            if _GLOO_CONNECTED.match(text):  # gloo's C++ prints one per process at start: noise, nothing to act on
+            if _gloo_noise(text):
                 continue
             out.write(prefix + text + end)
             if keep:
