@@ -4,6 +4,7 @@ the answer tokens' loss."""
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import datasets
@@ -191,8 +192,7 @@ def test_the_wrong_format_names_the_columns_and_the_fix(tmp_path):
                          tokenizer=str(TINY_TOKENIZER), cache_dir=str(tmp_path / "m"))  # fmt: skip
     with pytest.raises(ConfigError, match=r"data.chat_template=.*chat.jinja: no such file"):  # not "the tokenizer has
         load_data(missing, 320, 4, 0)  # no template"
-    with pytest.raises(ConfigError, match="streamed fine-tuning data is not supported"):
-        validate(load_config(None, ["data.format=chat", "data.streaming=true"]), 1)
+    validate(load_config(None, ["data.format=chat", "data.streaming=true"]), 1)  # streamed: allowed (issue 43)
 
 
 def test_training_on_conversations_lowers_the_answer_tokens_loss(tmp_path):
@@ -284,3 +284,137 @@ def test_fine_tuning_data_mixes_by_weight_each_window_once_per_its_epoch_and_res
     assert resumed["params_sha256"] == whole["params_sha256"]
     records = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
     assert {"eval_loss/big", "eval_loss/small"} <= {k for r in records for k in r}
+
+
+# Streamed fine-tuning data (issue 43): packed as read, each process its own shards, an exact position.
+
+TAG = re.compile(rb"q(\d+)\.(\d+) ")
+
+
+def chat_shards(where: Path, files: int = 4, per_file: int = 20, seed: int = 0, long_every: int = 0) -> Path:
+    """Conversations tagged `qF.I` (file F, line I) of different lengths (about 130-160 bytes in LLAMA3's layout);
+    every `long_every`-th one longer than a 512-token window."""
+    where.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for f in range(files):
+        with open(where / f"part-{f}.jsonl", "w") as fh:
+            for i in range(per_file):
+                n = 420 if long_every and (f * per_file + i) % long_every == long_every - 1 else int(rng.integers(1, 25))
+                fh.write(json.dumps({"messages": [{"role": "user", "content": f"q{f}.{i} " + "x" * n},
+                                                  {"role": "assistant", "content": "y" * int(rng.integers(1, 9))}]}))
+                fh.write("\n")
+    return where
+
+
+def tags(batch: dict) -> list[tuple[int, int]]:
+    """The conversations whose start a batch's windows hold, in order (byte tokenizer: the ids are the bytes)."""
+    rows = np.concatenate([batch["inputs"], batch["targets"][:, -1:]], axis=1)
+    return [(int(a), int(b)) for row in rows for a, b in TAG.findall(bytes(row.astype(np.uint8).tolist()))]
+
+
+def stream_cfg(tmp_path: Path, **kw) -> DataConfig:
+    return DataConfig(**{"source": str(tmp_path / "shards"), "format": "chat", "streaming": True, "seq_len": 512,
+                         "chat_template": str(template_file(tmp_path)), "val_tokens": 0,
+                         "cache_dir": str(tmp_path / "cache"), **kw})  # fmt: skip
+
+
+def test_streamed_conversations_are_packed_as_map_style_packs_them_each_process_its_shards_once(tmp_path, capsys):
+    """data.streaming=true with data.format=chat (refused before issue 43): one process's windows are pack()'s
+    windows of the same conversations in file order, token and weight; two processes read disjoint shards, every
+    conversation once per epoch between them; a conversation longer than a window is truncated and said."""
+    from jdp.data.corpus import open_corpus
+    from jdp.data.sft import row_example, stream_examples
+
+    chat_shards(tmp_path / "shards", long_every=7)
+    cfg = stream_cfg(tmp_path)
+    corpus, tok = open_corpus(cfg, streaming=True), ByteTokenizer()
+    one = stream_examples(corpus, tok, cfg, rows=4, rank=0, world=1)
+    got = [one.next_batch() for _ in range(10)]
+    rows = [json.loads(line) for f in range(4) for line in (tmp_path / "shards" / f"part-{f}.jsonl").open()]
+    template = ChatTemplate.load(cfg)
+    packed = pack([row_example(r, tok, cfg, template, "")[:2] for r in rows], 512, tok.eod_id, "truncate")
+    n = len(packed.tokens) - 1  # the last window of an epoch is filled by the next epoch's first conversation
+    assert 10 * 4 > n and one.epoch_count == 1
+    want = packed.batch(np.arange(n))
+    for key in ("inputs", "targets", "weights"):
+        np.testing.assert_array_equal(np.concatenate([g[key] for g in got])[:n], want[key])
+    assert 0 < want["weights"].sum() < 0.3 * want["weights"].size
+    assert one.counts["truncated"] >= 11  # 80 / 7 conversations are 540+ tokens
+    warned = capsys.readouterr().err
+    assert "process 0's example 6 is longer than a window" in warned and "1 truncated so far" in warned
+    assert "10 truncated so far" in warned and "2 truncated so far" not in warned  # said at the 1st, 10th, ...
+
+    seen = []
+    for rank in range(2):
+        mine = stream_examples(corpus, tok, cfg, rows=1, rank=rank, world=2)
+        read = []
+        while mine.epoch_count == 0:
+            read += tags(mine.next_batch())
+        files = {f for f, _ in read[:40]}
+        assert len(files) == 2, files  # two whole shards each
+        seen += read[:40]
+    assert sorted(seen) == [(f, i) for f in range(4) for i in range(20)]
+
+
+def test_a_streamed_position_restored_continues_the_open_window_and_validation_is_the_head(tmp_path):
+    """A stream stopped after any batch and restored (its position through JSON, as a checkpoint keeps it) gives
+    the uninterrupted stream's windows; with data.val_tokens the head of the stream is validation, packed the same
+    way, and training never reads those conversations."""
+    from jdp.data.corpus import open_corpus
+    from jdp.data.sft import stream_examples
+
+    chat_shards(tmp_path / "shards", long_every=9)
+    cfg = stream_cfg(tmp_path, val_tokens=300, overlong="drop")
+    corpus, tok = open_corpus(cfg, streaming=True), ByteTokenizer()
+    straight = stream_examples(corpus, tok, cfg, rows=3, rank=0, world=1)
+    expected = [straight.next_batch() for _ in range(40)]  # several epochs
+    assert straight.epoch_count >= 2 and straight.counts["dropped"] > 0
+    for stop in (1, 6, 17, 33):
+        first = stream_examples(corpus, tok, cfg, rows=3, rank=0, world=1)
+        got = [first.next_batch() for _ in range(stop)]
+        saved = json.loads(json.dumps(first.position()))
+        second = stream_examples(open_corpus(cfg, streaming=True), tok, cfg, rows=3, rank=0, world=1)
+        second.load_position(saved)
+        got += [second.next_batch() for _ in range(40 - stop)]
+        for g, e in zip(got, expected, strict=True):
+            for key in ("inputs", "weights"):
+                np.testing.assert_array_equal(g[key], e[key])
+    val = tags(straight.val.batch(np.arange(len(straight.val.tokens))))
+    assert val == [(0, i) for i in range(len(val))] and 2 <= len(val) <= 3  # the head, until 300 tokens (~150 each)
+    trained = {t for batch in expected for t in tags(batch)}
+    assert not trained & set(val) and len(trained) >= 80 - len(val) - straight.counts["dropped"]
+
+
+def test_streamed_fine_tuning_runs_and_mixtures_stopped_and_resumed_end_as_uninterrupted_runs(tmp_path):
+    """Through the trainer: a streamed chat run, and a streamed mixture of two prompt/completion sources (3:1), each
+    stopped at step 2 and resumed to 4, end with the parameters of the run that was not stopped; the mixture
+    evaluates each source on its own held-out head."""
+    chat_shards(tmp_path / "shards")
+    for name in ("p", "q"):
+        (tmp_path / name).mkdir()
+        for f in range(2):
+            lines = [json.dumps({"prompt": f"{name}{f}.{i} add {i} and {f}?", "completion": f" {i + f}"})
+                     for i in range(30)]  # fmt: skip
+            (tmp_path / name / f"part-{f}.jsonl").write_text("\n".join(lines))
+    common = ["data.streaming=true", "data.seq_len=512", "model.max_seq_len=512", f"data.cache_dir={tmp_path / 'c'}",
+              "train.batch_size=4", "train.progress=false", "train.log_every=1", "train.eval_every=2",
+              "model.n_layers=1", "model.d_model=32", "model.n_heads=2", "train.ckpt_every=2",
+              "optim.warmup_steps=0", "optim.min_lr_ratio=1"]  # fmt: skip
+    chat = [f"data.source={tmp_path / 'shards'}", "data.format=chat", "data.val_tokens=200",
+            f"data.chat_template={template_file(tmp_path)}"]  # fmt: skip
+    sources = f"data.sources=[{{source: {tmp_path / 'p'}, weight: 3}}, {{source: {tmp_path / 'q'}, weight: 1}}]"
+    mixed = [sources, "data.format=prompt", "data.val_tokens=100"]
+    for name, extra in (("chat", chat), ("mixed", mixed)):
+        cfg = load_config("tiny", common + extra)
+
+        def run(where, steps, cfg=cfg):
+            t = dataclasses.replace(cfg.train, steps=steps, run_dir=str(tmp_path / where))
+            return train(dataclasses.replace(cfg, train=t))
+
+        whole = run(f"{name}-whole", 4)
+        run(f"{name}-split", 2)
+        resumed = run(f"{name}-split", 4)
+        assert resumed["params_sha256"] == whole["params_sha256"], name
+        records = [json.loads(line) for line in (tmp_path / f"{name}-whole" / "metrics.jsonl").read_text().splitlines()]
+        keys = {k for r in records for k in r}
+        assert ({"eval_loss/p", "eval_loss/q"} if name == "mixed" else {"eval_loss"}) <= keys, keys

@@ -31,14 +31,17 @@ class Format:
     # (corpus, tokenizer, DataConfig of the entry, seed, label) -> one source of a map-style mixture (mixture.Source
     # or anything with its methods), its problems found; None: it cannot be a data.sources entry
     mix: Callable | None = field(default=None, compare=False)
+    # (corpus, tokenizer, DataConfig of the entry, rows, rank, world, label) -> (its stream: stream.Shards, this
+    # process's `rows` windows at a time; a mixture source holding its validation) for a streamed data.sources entry
+    stream: Callable | None = field(default=None, compare=False)
 
 
 _FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
         Format("text", "text", lambda d: [d.text_column]),
-        Format("chat", "fine-tuning data", lambda d: ["messages"], within_documents=True, streams=False),
-        Format("prompt", "fine-tuning data", lambda d: ["prompt", "completion"], within_documents=True, streams=False),
+        Format("chat", "fine-tuning data", lambda d: ["messages"], within_documents=True),
+        Format("prompt", "fine-tuning data", lambda d: ["prompt", "completion"], within_documents=True),
     )
 }
 _BUILTIN = tuple(_FORMATS)
@@ -54,9 +57,9 @@ def get(name: str) -> Format:
     return _FORMATS[name]
 
 
-def attach(name: str, load: Callable, mix: Callable | None = None) -> None:
+def attach(name: str, load: Callable, mix: Callable | None = None, stream: Callable | None = None) -> None:
     """Give jdp's own format `name` its loaders (done where they live, when that module is imported)."""
-    _FORMATS[name] = replace(_FORMATS[name], load=load, mix=mix)
+    _FORMATS[name] = replace(_FORMATS[name], load=load, mix=mix, stream=stream)
 
 
 def register(fmt: Format) -> None:

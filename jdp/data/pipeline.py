@@ -185,7 +185,21 @@ def text_source(corpus, tokenizer, sub: DataConfig, seed: int, label: str) -> So
     return Source(label, tokens.train, tokens.n_docs, tokens.n_empty, tokens.val)
 
 
-formats.attach("text", load_text, mix=text_source)
+def text_stream_source(corpus, tokenizer, sub: DataConfig, rows: int, rank: int, world: int, label: str):
+    """data.format=text as a streamed data.sources entry: its stream (stream.StreamBatches), validation the head of
+    the stream (or its split), skipped by training, as for one source."""
+    val, held = stream.hold_out(corpus.train if corpus.val is None else corpus.val, tokenizer, sub)
+    exclude = held if corpus.val is None else set()
+    if sub.val_tokens > 0 and n_windows(val, sub.seq_len) == 0:
+        raise ConfigError(
+            f"data.sources: source {label!r} ({sub.source}) holds out {len(val)} validation tokens, fewer "
+            f"than data.seq_len+1={sub.seq_len + 1}; raise its val_tokens, or set val_tokens: 0 for it"
+        )
+    st = stream.StreamBatches(corpus.train, tokenizer, sub, rows, rank, world, exclude, corpus.identity)
+    return st, Source(label, np.zeros(0, np.uint16), 0, 0, val)
+
+
+formats.attach("text", load_text, mix=text_source, stream=text_stream_source)
 
 
 def load_mixture(
@@ -203,23 +217,17 @@ def load_mixture(
             for entry in cfg.sources]  # fmt: skip
     _check_disjoint(subs, labels)
     fmt = formats.get(cfg.format)
-    if fmt.mix is None and not cfg.streaming:
-        raise ConfigError(f"data.format={cfg.format} with data.sources: this format has no mixture loader (mix)")
+    if (fmt.stream if cfg.streaming else fmt.mix) is None:
+        what = "streamed mixture loader (stream)" if cfg.streaming else "mixture loader (mix)"
+        raise ConfigError(f"data.format={cfg.format} with data.sources: this format has no {what}")
     for sub, label in zip(subs, labels, strict=True):
         with _named_as_source(label, sub.source):
             corpus = open_corpus(sub, streaming=cfg.streaming)
-        if cfg.streaming:  # validation: the head of the stream (or its split), skipped by training, as for one
+        if cfg.streaming:  # the entry's stream, and its validation (the head of the stream or its split)
             with _named_as_source(label, sub.source):
-                val, held = stream.hold_out(corpus.train if corpus.val is None else corpus.val, tokenizer, sub)
-            exclude = held if corpus.val is None else set()
-            if sub.val_tokens > 0 and n_windows(val, cfg.seq_len) == 0:
-                raise ConfigError(
-                    f"data.sources: source {label!r} ({sub.source}) holds out {len(val)} validation tokens, fewer "
-                    f"than data.seq_len+1={cfg.seq_len + 1}; raise its val_tokens, or set val_tokens: 0 for it"
-                )
-            streams.append(stream.StreamBatches(corpus.train, tokenizer, sub, rows.stop - rows.start, rank, world,
-                                                exclude, corpus.identity))  # fmt: skip
-            sources.append(Source(label, np.zeros(0, np.uint16), 0, 0, val))
+                st, source = fmt.stream(corpus, tokenizer, sub, rows.stop - rows.start, rank, world, label)
+            streams.append(st)
+            sources.append(source)
             continue
         with _named_as_source(label, sub.source):
             sources.append(fmt.mix(corpus, tokenizer, sub, seed, label))

@@ -31,6 +31,7 @@ from jdp.data import formats
 from jdp.data.chat import ChatTemplate, chat_example
 from jdp.data.corpus import cache_root
 from jdp.data.dataset import GlobalOrder, Windows, digest
+from jdp.data.stream import Shards, decoded
 from jdp.data.tokens import Tokens
 from jdp.log import logger
 
@@ -111,34 +112,46 @@ def pack(examples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, eod_id: in
     return Examples(t, w, kept, truncated, dropped, int(w[:, 1:].sum()))
 
 
+def row_example(row: dict, tokenizer, cfg: DataConfig, template: ChatTemplate | None,
+                at: str) -> tuple[np.ndarray, np.ndarray, bool]:  # fmt: skip
+    """One row of fine-tuning data as (token ids, answer weights, whether it has an answer); `at` names the row in
+    errors."""
+    if cfg.format == "chat":
+        if not isinstance(messages := row["messages"], list):
+            raise ConfigError(f"{at}: messages is {messages!r:.80}, not a list of {{role, content}} mappings")
+        ids, w = chat_example(messages, template, tokenizer, at, row.get("tools"))
+        return ids, w, any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages)
+    for key in ("prompt", "completion"):
+        if not isinstance(row[key], str) and not (key == "prompt" and row[key] is None):  # no prompt: ""
+            raise ConfigError(
+                f"{at}: {key} is {row[key]!r:.80}, not text"
+                + (" (an example without an answer would train only the end-of-document token: give it one "
+                   "or drop the example)" if key == "completion" and row[key] is None else "")
+            )  # fmt: skip
+    ids, w = prompt_example(row["prompt"], row["completion"], tokenizer)
+    return ids, w, bool(row["completion"].strip())
+
+
+def _unanswered(cfg: DataConfig) -> tuple[str, str, str]:
+    """What examples without an answer are, what one of them lacks, and what it trains."""
+    if cfg.format == "chat":
+        return "conversations have no assistant turn", "has no assistant turn", "nothing"
+    return "examples have an empty completion", "has an empty completion", "only the end-of-document token"
+
+
 def _examples(ds, tokenizer, cfg: DataConfig, template: ChatTemplate | None, where: str) -> list:
     out, empty = [], []
     for i, row in enumerate(ds):
-        at = f"data.source={cfg.source}{where}, example {i}"
-        if cfg.format == "chat":
-            if not isinstance(messages := row["messages"], list):
-                raise ConfigError(f"{at}: messages is {messages!r:.80}, not a list of {{role, content}} mappings")
-            out.append(chat_example(messages, template, tokenizer, at, row.get("tools")))
-            if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages):
-                empty.append(i)
-            continue
-        for key in ("prompt", "completion"):
-            if not isinstance(row[key], str) and not (key == "prompt" and row[key] is None):  # no prompt: ""
-                raise ConfigError(
-                    f"{at}: {key} is {row[key]!r:.80}, not text"
-                    + (" (an example without an answer would train only the end-of-document token: give it one "
-                       "or drop the example)" if key == "completion" and row[key] is None else "")
-                )  # fmt: skip
-        if not row["completion"].strip():
+        ids, w, answered = row_example(row, tokenizer, cfg, template, f"data.source={cfg.source}{where}, example {i}")
+        out.append((ids, w))
+        if not answered:
             empty.append(i)
-        out.append(prompt_example(row["prompt"], row["completion"], tokenizer))
-    chat = cfg.format == "chat"
     if empty and len(empty) == len(out):
+        chat = cfg.format == "chat"
         what = "no conversation has an assistant turn (role 'assistant')" if chat else "every completion is empty"
         raise ConfigError(f"data.source={cfg.source}{where}: {what}, so there is no answer to learn")
     if empty:
-        what, trains = (("conversations have no assistant turn", "nothing") if chat else
-                        ("examples have an empty completion", "only the end-of-document token"))  # fmt: skip
+        what, _, trains = _unanswered(cfg)
         log.warning(f"data.source={cfg.source}{where}: {len(empty)} of {len(out)} {what} (examples "
                     f"{', '.join(map(str, empty[:5]))}{', ...' if len(empty) > 5 else ''}): each trains "
                     f"{trains}")  # fmt: skip
@@ -302,7 +315,10 @@ def _check_examples(train_ex: Examples, val_ex: Examples, cfg: DataConfig) -> No
 
 def load_windows(corpus, tokenizer, cfg: DataConfig, batch_size: int, seed: int, rows: slice, rank: int, world: int):
     """data.format=chat or prompt: examples packed whole into windows, the loss on their answers; their validation
-    examples are theirs (the returned validation tokens are empty)."""
+    examples are theirs (the returned validation tokens are empty). Streamed (data.streaming=true): packed as read."""
+    if cfg.streaming:
+        train = stream_examples(corpus, tokenizer, cfg, rows.stop - rows.start, rank, world)
+        return train, Tokens(np.zeros(0, np.uint16), np.zeros(0, np.uint16), 0, 0)
     train_ex, val_ex = load_examples(corpus, tokenizer, cfg, seed)
     _check_examples(train_ex, val_ex, cfg)
     if len(train_ex.tokens) < batch_size:
@@ -314,5 +330,144 @@ def load_windows(corpus, tokenizer, cfg: DataConfig, batch_size: int, seed: int,
     return ExampleBatches(train_ex, val_ex, batch_size, seed), empty
 
 
-formats.attach("chat", load_windows, mix=examples_source)
-formats.attach("prompt", load_windows, mix=examples_source)
+# Streamed fine-tuning data (data.streaming=true): validation is the head of the stream (or its split), as for text;
+# each process packs its own shards' examples as it reads them, by pack's rule; the open window travels in the
+# position, so a resume is exact.
+
+
+def _row_digest(row: dict, cfg: DataConfig) -> bytes:
+    """What identifies an example: the columns it is made of."""
+    columns = ("messages", "tools") if cfg.format == "chat" else ("prompt", "completion")
+    text = json.dumps([row.get(c) for c in columns], sort_keys=True, default=str, ensure_ascii=False)
+    return hashlib.sha1(text.encode("utf-8")).digest()
+
+
+def hold_out_examples(ds, tokenizer, cfg: DataConfig, template) -> tuple[Examples, set[bytes]]:
+    """The first examples of `ds`, up to data.val_tokens tokens, packed as validation windows, and their digests
+    (training skips examples with the same columns when `ds` is the training stream itself)."""
+    held, digests, total = [], set(), 0
+    if cfg.val_tokens > 0:
+        for i, row in enumerate(decoded(ds, cfg)):
+            ids, w, _ = row_example(row, tokenizer, cfg, template, f"data.source={cfg.source}, streamed example {i}")
+            held.append((ids, w))
+            digests.add(_row_digest(row, cfg))
+            total += len(ids) + 1
+            if total >= cfg.val_tokens:
+                break
+        if not held:
+            raise ConfigError(f"data.source={cfg.source}: the stream has no examples to hold out for validation")
+    return pack(held, cfg.seq_len, tokenizer.eod_id, cfg.overlong), digests
+
+
+class StreamExamples(Shards):
+    """This process's rows of each global batch from its own shards of a stream of fine-tuning examples (Shards):
+    each example rendered as for map-style data, packed whole into windows of seq_len + 1 tokens as it is read
+    (pack's rule: a window is closed, padded with weight 0, when the next example does not fit). A long example is
+    truncated or dropped (data.overlong) and an example without an answer trained as it is: each said as it happens
+    on its process (the 1st, 10th, 100th, ... of each kind) and counted in the position. The open window travels in
+    the position, so a resume continues it exactly."""
+
+    SAID_AT = (1, 10, 100, 1000, 10000, 100000)
+
+    def __init__(self, ds, tokenizer, cfg: DataConfig, rows: int, rank: int, world: int, exclude: set[bytes],
+                 identity: dict, template, val: Examples):  # fmt: skip
+        super().__init__(ds, cfg, rows, rank, world, exclude, identity)
+        self.tokenizer, self.template, self.val = tokenizer, template, val
+        self.size = cfg.seq_len + 1
+        self.open_tokens: list[int] = []
+        self.open_weights: list[int] = []
+        self.counts = {"read": 0, "examples": 0, "truncated": 0, "dropped": 0, "unanswered": 0}
+
+    def _count(self, kind: str, what: str) -> None:
+        self.counts[kind] += 1
+        if (n := self.counts[kind]) in self.SAID_AT:
+            log.warning(f"data.source={self.cfg.source}, streamed: process {self.rank}'s {what}; {n:,} {kind} so far "
+                        f"on this process (said at the 1st, 10th, 100th, ... of them)")  # fmt: skip
+
+    def _next_example(self) -> tuple[np.ndarray, np.ndarray]:
+        """The next example of this process's shards as [end-of-document] + its tokens, and their weights."""
+        while True:
+            row = self._next_row()
+            n = self.counts["read"]
+            self.counts["read"] += 1
+            if self.exclude and _row_digest(row, self.cfg) in self.exclude:
+                self.n_excluded += 1
+                continue
+            at = f"data.source={self.cfg.source}, process {self.rank}'s streamed example {n}"
+            ids, w, answered = row_example(row, self.tokenizer, self.cfg, self.template, at)
+            self._docs_this_epoch += 1
+            ids = np.concatenate([[self.tokenizer.eod_id], ids]).astype(np.int64)
+            w = np.concatenate([[0], w]).astype(np.uint8)
+            if not answered:
+                _, lacks, trains = _unanswered(self.cfg)
+                self._count("unanswered", f"example {n} {lacks}: it trains {trains}")
+            if len(ids) > self.size:
+                longer = f"example {n} is longer than a window ({len(ids)} tokens, data.seq_len+1={self.size})"
+                if self.cfg.overlong == "drop":
+                    self._count("dropped", f"{longer}: dropped (data.overlong=drop)")
+                    continue
+                self._count("truncated", f"{longer}: truncated (data.overlong=truncate)")
+                ids, w = ids[: self.size], w[: self.size]
+            self.counts["examples"] += 1
+            return ids, w
+
+    def next_windows(self, rows: int) -> dict[str, np.ndarray]:
+        tokens, weights = [], []
+        while len(tokens) < rows:
+            ids, w = self._next_example()
+            if len(self.open_tokens) + len(ids) > self.size:
+                pad = self.size - len(self.open_tokens)
+                tokens.append(self.open_tokens + [self.tokenizer.eod_id] * pad)
+                weights.append(self.open_weights + [0] * pad)
+                self.open_tokens, self.open_weights = [], []
+            self.open_tokens += ids.tolist()
+            self.open_weights += w.tolist()
+        t = np.asarray(tokens, np.int32)
+        return {"inputs": t[:, :-1], "targets": t[:, 1:], "weights": np.asarray(weights, np.float32)[:, 1:]}
+
+    def packed_state(self) -> dict:
+        return {"open_tokens": self.open_tokens, "open_weights": self.open_weights, "counts": dict(self.counts)}
+
+    def load_packed_state(self, state: dict) -> None:
+        self.open_tokens, self.open_weights = list(state["open_tokens"]), list(state["open_weights"])
+        self.counts = dict(state["counts"])
+
+    def eval_sets(self, data) -> list:
+        return [("", self.val.eval_batches(data.batch_size, data.rows))] if len(self.val.tokens) else []
+
+    def fingerprint(self, data) -> dict[str, dict]:
+        return {"": self.fingerprint_with(self.val)}
+
+    def fingerprint_with(self, val: Examples) -> dict:
+        """The stream's files (or hub name) and the validation windows held out of its head, whole."""
+        return {**self.identity, "val_windows": len(val.tokens), "val_sha256": digest(val.tokens, val.weights)}
+
+    def banner(self, data) -> str:
+        return (f"streaming {self.cfg.format} examples, each process its own shards, packed as read | val "
+                f"{self.val.describe()} | {data.describe_tokenizer()}")  # fmt: skip
+
+
+def _open_stream(corpus, tokenizer, cfg: DataConfig, rows: int, rank: int, world: int) -> StreamExamples:
+    template = ChatTemplate.load(cfg) if cfg.format == "chat" else None
+    val, held = hold_out_examples(corpus.train if corpus.val is None else corpus.val, tokenizer, cfg, template)
+    if cfg.val_tokens > 0 and not len(val.tokens):
+        raise ConfigError(f"data.source={cfg.source}: no validation examples; raise data.val_tokens or set it to 0")
+    exclude = held if corpus.val is None else set()  # a validation split shares no examples with training
+    return StreamExamples(corpus.train, tokenizer, cfg, rows, rank, world, exclude, corpus.identity, template, val)
+
+
+def stream_examples(corpus, tokenizer, cfg: DataConfig, rows: int, rank: int, world: int) -> StreamExamples:
+    """data.format=chat or prompt, streamed: validation held out of the stream's head (or its split)."""
+    return _open_stream(corpus, tokenizer, cfg, rows, rank, world)
+
+
+def examples_stream_source(corpus, tokenizer, sub: DataConfig, rows: int, rank: int, world: int, label: str):
+    """data.format=chat or prompt as a streamed data.sources entry: its stream, and the source that holds its
+    validation windows (mixture.StreamMixture asks the first for windows, the second for validation)."""
+    st = _open_stream(corpus, tokenizer, sub, rows, rank, world)
+    empty = Examples(np.zeros((0, sub.seq_len + 1), np.uint16), np.zeros((0, sub.seq_len + 1), np.uint8), 0, 0, 0, 0)
+    return st, ExampleSource(label, empty, st.val, sub.seq_len)
+
+
+formats.attach("chat", load_windows, mix=examples_source, stream=examples_stream_source)
+formats.attach("prompt", load_windows, mix=examples_source, stream=examples_stream_source)

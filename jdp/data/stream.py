@@ -11,14 +11,14 @@ from jdp.data.corpus import data_files, decoding_error, resolve_source
 from jdp.data.dataset import Windows, digest
 from jdp.data.tokens import windows
 
-__all__ = ["StreamBatches", "hold_out"]
+__all__ = ["Shards", "StreamBatches", "decoded", "hold_out"]
 
 
 def _digest(text: str) -> bytes:
     return hashlib.sha1(text.encode("utf-8")).digest()
 
 
-def _decoded(ds, cfg: DataConfig):
+def decoded(ds, cfg: DataConfig):
     """Iterate `ds`; a file that is not valid UTF-8 becomes corpus.decoding_error's clear message."""
     try:
         yield from ds
@@ -36,7 +36,7 @@ def hold_out(ds, tokenizer, cfg: DataConfig) -> tuple[np.ndarray, set[bytes]]:
     parts, digests, total = [], set(), 0
     if cfg.val_tokens <= 0:
         return np.zeros(0, np.uint16), digests
-    for example in _decoded(ds, cfg):
+    for example in decoded(ds, cfg):
         text = example[cfg.text_column] or ""
         if not text:
             continue
@@ -51,26 +51,26 @@ def hold_out(ds, tokenizer, cfg: DataConfig) -> tuple[np.ndarray, set[bytes]]:
     return np.concatenate(parts), digests
 
 
-class StreamBatches(Windows):
-    """This process's rows of each global batch, packed from its own shards of the stream.
+class Shards(Windows):
+    """This process's shards of a `datasets.IterableDataset`, read in order, epoch after epoch, with an exact position.
 
-    Shards are split between processes with `datasets.distributed.split_dataset_by_node`; documents are
-    read in order (no shuffle buffer: its contents cannot be restored exactly on resume), each followed by
-    an end-of-document token, and cut into windows of seq_len+1 tokens. When this process's shards run
-    out it starts its next epoch over them, so no process ever waits for data that another one lacks.
-    `state_dict()` is the exact position after the last batch returned: the dataset's own state plus
-    the tokens packed but not yet used.
+    Shards are split between processes with `datasets.distributed.split_dataset_by_node`; rows are read in order
+    (no shuffle buffer: its contents cannot be restored exactly on resume). When this process's shards run out it
+    starts its next epoch over them, so no process ever waits for data that another one lacks. What a row becomes
+    (a document's tokens, a fine-tuning example) and how rows are packed into windows is the subclass's
+    (StreamBatches here, sft.StreamExamples); `state_dict()` is the dataset's own state, the epoch and the
+    subclass's `packed_state()`, the rows read but not yet given out.
     """
 
-    def __init__(self, ds, tokenizer, cfg: DataConfig, rows: int, rank: int, world: int, exclude: set[bytes],
+    def __init__(self, ds, cfg: DataConfig, rows: int, rank: int, world: int, exclude: set[bytes],
                  identity: dict | None = None):  # fmt: skip
-        """`identity`: what the stream's documents are without reading them (corpus.Corpus.identity)."""
-        self.base, self.tokenizer, self.cfg, self.rows = ds, tokenizer, cfg, rows
+        """`identity`: what the stream's documents are without reading them (corpus.Corpus.identity); `exclude`:
+        digests of the documents validation holds out (hold_out), which training skips."""
+        self.base, self.cfg, self.rows = ds, cfg, rows
         self.identity = identity or {}
         self.rank, self.world, self.exclude = rank, world, exclude
         self.epoch_count = 0
-        self.n_empty = self.n_excluded = 0
-        self.buffer = np.zeros(0, np.uint32)
+        self.n_excluded = 0
         self._node = self._split()
         self._it = None
         self._docs_this_epoch = 0
@@ -80,12 +80,14 @@ class StreamBatches(Windows):
 
         return split_dataset_by_node(self.base, rank=self.rank, world_size=self.world)
 
-    def _next_document(self) -> np.ndarray:
+    def _next_row(self) -> dict:
+        """The next row of this process's shards (its next epoch begun when they run out); the subclass counts the
+        rows it keeps in `_docs_this_epoch`."""
         while True:
             if self._it is None:
                 self._it = iter(self._node)
             try:
-                example = next(self._it)
+                return next(self._it)
             except UnicodeDecodeError as e:
                 raise decoding_error(self.cfg, data_files(self.cfg, resolve_source(self.cfg)), e) from e
             except StopIteration:
@@ -99,7 +101,73 @@ class StreamBatches(Windows):
                 self._node, self._it = self._split(), None
                 self._node.set_epoch(self.epoch_count)
                 self._docs_this_epoch = 0
-                continue
+
+    def next_batch(self) -> dict[str, np.ndarray]:
+        """The next `rows` windows of this process's stream."""
+        return self.next_windows(self.rows)
+
+    def local_batch(self, step: int, rows: slice) -> dict[str, np.ndarray]:
+        return self.next_batch()  # steps come in order; this process's rows are its own shards'
+
+    def next_windows(self, rows: int) -> dict[str, np.ndarray]:
+        """The next `rows` windows of this process's stream (a mixture takes as many as the schedule gives it)."""
+        raise NotImplementedError
+
+    def position(self) -> dict:
+        return self.state_dict()
+
+    def load_position(self, position: dict) -> None:
+        self.load_state_dict(position)
+
+    def epoch(self, step: int) -> float:
+        return float(self.epoch_count)  # this process's epochs of its shards
+
+    def packed_state(self) -> dict:
+        """What was read but not yet given out (JSON)."""
+        raise NotImplementedError
+
+    def load_packed_state(self, state: dict) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        return {
+            "dataset": self._node.state_dict(),
+            **self.packed_state(),
+            "epoch": self.epoch_count,
+            "rank": self.rank,
+            "world": self.world,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state["rank"], state["world"]) != (self.rank, self.world):
+            raise ConfigError(
+                f"a streaming data position saved by process {state['rank']} of {state['world']} cannot be "
+                f"restored on process {self.rank} of {self.world}: streaming shards depend on the world size"
+            )
+        self.epoch_count = state["epoch"]
+        self._node = self._split()
+        self._node.set_epoch(self.epoch_count)
+        self._node.load_state_dict(state["dataset"])
+        self._it = None
+        self._docs_this_epoch = 1  # restored mid-epoch: this process's shards are known not to be empty
+        self.load_packed_state(state)
+
+
+class StreamBatches(Shards):
+    """This process's rows of each global batch, packed from its own shards of the stream (Shards): each document
+    followed by an end-of-document token, cut into windows of seq_len+1 tokens; the tokens packed but not yet used
+    travel in the position."""
+
+    def __init__(self, ds, tokenizer, cfg: DataConfig, rows: int, rank: int, world: int, exclude: set[bytes],
+                 identity: dict | None = None):  # fmt: skip
+        super().__init__(ds, cfg, rows, rank, world, exclude, identity)
+        self.tokenizer = tokenizer
+        self.n_empty = 0
+        self.buffer = np.zeros(0, np.uint32)
+
+    def _next_document(self) -> np.ndarray:
+        while True:
+            example = self._next_row()
             text = example[self.cfg.text_column]
             if not isinstance(text, str) or not text:
                 if text is not None and not isinstance(text, str):
@@ -112,19 +180,6 @@ class StreamBatches(Windows):
             ids = self.tokenizer.encode_batch([text])[0]
             self._docs_this_epoch += 1
             return np.concatenate([ids, [self.tokenizer.eod_id]]).astype(np.uint32)
-
-    def next_batch(self) -> dict[str, np.ndarray]:
-        """The next `rows` windows of this process's stream."""
-        return self.next_windows(self.rows)
-
-    def local_batch(self, step: int, rows: slice) -> dict[str, np.ndarray]:
-        return self.next_batch()  # steps come in order; this process's rows are its own shards'
-
-    def position(self) -> dict:
-        return self.state_dict()
-
-    def load_position(self, position: dict) -> None:
-        self.load_state_dict(position)
 
     def fingerprint(self, data) -> dict[str, dict]:
         return {"": self.fingerprint_with(data.tokens.val)}
@@ -153,28 +208,8 @@ class StreamBatches(Windows):
         self.buffer = stream[rows * L :]
         return windows(stream, np.arange(rows), L)
 
-    def epoch(self, step: int) -> float:
-        return float(self.epoch_count)
+    def packed_state(self) -> dict:
+        return {"buffer": self.buffer.tolist()}
 
-    def state_dict(self) -> dict:
-        return {
-            "dataset": self._node.state_dict(),
-            "buffer": self.buffer.tolist(),
-            "epoch": self.epoch_count,
-            "rank": self.rank,
-            "world": self.world,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        if (state["rank"], state["world"]) != (self.rank, self.world):
-            raise ConfigError(
-                f"a streaming data position saved by process {state['rank']} of {state['world']} cannot be "
-                f"restored on process {self.rank} of {self.world}: streaming shards depend on the world size"
-            )
-        self.epoch_count = state["epoch"]
-        self._node = self._split()
-        self._node.set_epoch(self.epoch_count)
-        self._node.load_state_dict(state["dataset"])
-        self._it = None
-        self._docs_this_epoch = 1  # restored mid-epoch: this process's shards are known not to be empty
+    def load_packed_state(self, state: dict) -> None:
         self.buffer = np.asarray(state["buffer"], np.uint32)
