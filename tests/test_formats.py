@@ -47,6 +47,17 @@ def test_its_refusals_are_the_configs():
         formats.get("nope")
 
 
+def test_jdps_own_formats_have_their_loaders_in_a_fresh_process():
+    """`jdp train data.format=chat` failed ("'NoneType' object is not callable") in a process where nothing had
+    imported jdp/data/sft.py (the tests do): the registry imports a format's own module when it is first asked."""
+    probe = ("from jdp.data import formats; "
+             "print([(f.load is None, f.mix is None, f.stream is None) for f in map(formats.get, formats.names())])")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=TESTS.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["[(False,", "False,", "False),", "(False,", "False,", "False),", "(False,", "False,",
+                                  "False)]"]  # fmt: skip
+
+
 @pytest.mark.slow
 def test_a_run_of_it_killed_and_run_again_is_the_uninterrupted_run(tmp_path):
     def run(run_dir: Path, **faults: str) -> subprocess.CompletedProcess:
