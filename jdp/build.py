@@ -19,6 +19,7 @@ from jdp.models import make_model
 from jdp.models.common import count_params, lm_loss
 from jdp.optim import make_optimizer
 from jdp.parallel.comm_hooks import CommHook, PowerSGD
+from jdp.parallel.remat import Remat
 
 
 class Built(NamedTuple):
@@ -40,7 +41,8 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, model: nnx.Module | None = None)
     optimizer, schedule = make_optimizer(cfg.optim, cfg.train.steps)
     p = cfg.parallel
     hook = comm_hook(p, cfg.train.seed)
-    a = parallel.assemble(model, lm_loss, optimizer, mesh, p, cfg.train.grad_accum, schedule, hook)
+    a = parallel.assemble(model, lm_loss, optimizer, mesh, p, cfg.train.grad_accum, schedule, hook,
+                          remat=Remat.of(cfg.model))
     return Built(a.graphdef, a.state, a.train_step, n_params, optimizer, hook)
 
 

@@ -56,6 +56,8 @@ RESUMABLE_CHANGES = {
     # or switch gradient compression on or off (the hook's state starts afresh when it is not the saved one's).
     "parallel.strategy", "parallel.reshard_after_forward", "parallel.accumulate_unsharded", "parallel.shard_size",
     "parallel.bucket_mb", "parallel.reduce_dtype",
+    # What backward keeps or computes again changes memory and time, not the results (parallel/remat.py).
+    "model.remat", "model.remat_every",
     "parallel.compression",
     "parallel.powersgd_rank", "parallel.powersgd_warmup", "parallel.powersgd_error_feedback",
     "parallel.powersgd_min_ratio", "parallel.powersgd_uncompressed",

@@ -417,7 +417,8 @@ RANGES = {
          "model.mlp_ratio", "data.seq_len", "train.steps", "train.batch_size", "train.grad_accum", "train.log_every",
          "train.ckpt_keep", "train.step_timeout_s", "parallel.init_timeout_s", "parallel.heartbeat_timeout_s",
          "optim.lr", "optim.eps", "parallel.powersgd_rank", "model.norm_eps", "model.rope_theta", "model.rope_factor",
-         "model.rope_low_freq_factor", "model.rope_high_freq_factor", "model.rope_original_max_len"],
+         "model.rope_low_freq_factor", "model.rope_high_freq_factor", "model.rope_original_max_len",
+         "model.remat_every"],
         _POSITIVE,
     ),
     **dict.fromkeys(
@@ -435,6 +436,7 @@ CHOICES = {
     "model.dtype": DTYPES,
     "model.param_dtype": DTYPES,
     "model.attention": ("auto", "einsum", "xla", "cudnn"),
+    "model.remat": ("none", "dots", "full"),
     "model.arch": models.names,  # the families, those registered later too
     "data.encoding_errors": ("strict", "replace", "ignore"),
     "data.text_unit": ("file", "line", "paragraph"),

@@ -9,6 +9,7 @@ against the host's available memory (MemAvailable, or less where a cgroup limit 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,10 +225,21 @@ def suggestions(cfg: Config, derived: Derived, pool: Pool, m: plan.Memory, fused
             compression = " parallel.compression=none" if not hooks and p.compression != "none" else ""
             why = strategies.get(other).saves.format(n=n, opt=_gb(alt.opt_state))
             out.append(f"parallel.strategy={other}{compression} ({why}): {pool.amount(need)}")
+    policies = ("none", "dots", "full")
+    stronger = policies[policies.index(cfg.model.remat) + 1 :]
+    for policy in stronger:  # the least recomputation that fits (model.remat: parallel/remat.py)
+        c = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=policy, remat_every=1))
+        if (need := pool.need(plan.device_memory(c, n, derived.micro_batch, fused, state=state))) <= pool.available:
+            out.append(f"model.remat={policy} ({plan.REMAT_NOTES[policy]} in backward): {pool.amount(need)}")
+            break
     out += _batch_changes(cfg, derived, pool, fused, state, p.strategy, "")
-    if not out:  # none fits alone: a smaller batch with the optimizer state split
-        for other in (o for o in others if strategies.get(o).split_optimizer):
-            out += _batch_changes(cfg, derived, pool, fused, state, other, f"parallel.strategy={other} ")
+    if not out:  # none fits alone: a smaller batch with the optimizer state split, and recomputing every block
+        full = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="full", remat_every=1))
+        for c, remat in ((cfg, ""), *(((full, "model.remat=full "),) if stronger else ())):
+            for other in (o for o in others if strategies.get(o).split_optimizer):
+                out += _batch_changes(c, derived, pool, fused, state, other, f"{remat}parallel.strategy={other} ")
+            if out:
+                break
     return out
 
 

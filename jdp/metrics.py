@@ -21,6 +21,7 @@ from jdp import models
 from jdp.config import Config
 from jdp.hardware import GPU_PEAK_FLOPS
 from jdp.log import logger
+from jdp.parallel.remat import Remat
 from jdp.rundir import RunDir
 
 __all__ = [
@@ -59,6 +60,18 @@ def flops_per_token(cfg: Config) -> float:
     HK = m.n_heads * m.head_width
     matmul_params = m.n_layers * models.get(m.arch).block_matmul_params(m) + m.vocab_size * m.d_model
     return 6.0 * matmul_params + 6.0 * m.n_layers * L * HK
+
+
+def recompute_flops_per_token(cfg: Config) -> float:
+    """FLOPs per token that model.remat adds to a training step (not counted in MFU, which is the model's FLOPs:
+    PaLM's convention; hardware FLOPs are flops_per_token + these). full: each recomputed block's forward again, its
+    matmuls (2 per weight) and attention (2 L H K); dots: its attention scores and values only (the projections'
+    outputs are kept; elementwise work is not counted)."""
+    m, L = cfg.model, cfg.data.seq_len
+    k = Remat.of(m).blocks(m.n_layers)
+    attention = 2.0 * L * m.n_heads * m.head_width
+    per_block = attention + (2.0 * models.get(m.arch).block_matmul_params(m) if m.remat == "full" else 0.0)
+    return k * per_block
 
 
 def measure_matmul_flops(n: int = 1024, seconds: float = 0.5) -> float:

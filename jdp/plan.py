@@ -50,13 +50,14 @@ from jdp.config import (
     validate,
 )
 from jdp.hardware import DEFAULT_MFU, INTERCONNECTS, gpu_spec, link_for
-from jdp.metrics import flops_per_token, read_metrics
+from jdp.metrics import flops_per_token, read_metrics, recompute_flops_per_token
 from jdp.models import make_model
 from jdp.models.common import lm_loss
 from jdp.optim import make_optimizer
 from jdp.parallel import strategies
 from jdp.parallel.buckets import bucket_plan
 from jdp.parallel.costs import WINDOWS, Buckets, Collectives, Memory, Traffic, ring_s, tree_bytes
+from jdp.parallel.remat import Remat
 from jdp.parallel.step import param_names
 from jdp.rundir import RunDir
 
@@ -127,13 +128,17 @@ def opt_bytes_per_device(cfg: Config, strategy: str, n: int, state: tuple | None
 def activation_bytes(cfg: Config, micro_batch: int, fused_attention: bool) -> int:
     """Estimated bytes alive at the start of backward for one micro-batch: what backward needs from forward (in
     the style of Korthikanti et al. 2022, "Reducing Activation Recomputation", counted for this model as XLA
-    keeps it; it matches XLA:CPU's float32 programs to about 1%, tests/test_plan.py).
+    keeps it; tests/test_plan.py compares it with XLA:CPU's compiled float32 programs).
 
     Per block: what its family counts (jdp/models/: GPT's and Llama's each in its module) and the softmax, in
     float32: its exponentials and its probabilities (2 B H S, with S = attention.attention_scores(L), about
     L^2 (n + 1) / 2n for n query blocks), or only the B H L row statistics when the attention is fused (cuDNN).
     Outside the blocks: the embedding output and the final norm (3 ND), and the float32 logits and their
-    exponentials for the loss (2 N V). No dropout, no recomputation.
+    exponentials for the loss (2 N V). No dropout.
+
+    Recomputation (model.remat, jdp/parallel/remat.py): a recomputed block keeps its input only (full) or its
+    input and projections' outputs (dots: the family's projection_bytes); the peak is then the start of backward or
+    the recomputation of a block (its whole activations, beside what the blocks below it keep), whichever is more.
     """
     m, L = cfg.model, cfg.data.seq_len
     N, D = micro_batch * L, m.d_model
@@ -142,7 +147,13 @@ def activation_bytes(cfg: Config, micro_batch: int, fused_attention: bool) -> in
     softmax = micro_batch * m.n_heads * (L if fused_attention else 2 * attention_scores(L)) * f32
     block = models.get(m.arch).block_activation_bytes(m, N, s) + softmax
     outside = 3 * N * D * s + 2 * N * m.vocab_size * f32
-    return m.n_layers * block + outside
+    remat = Remat.of(m)
+    if remat.policy == "none":
+        return m.n_layers * block + outside
+    kept = N * D * s if remat.policy == "full" else models.projection_bytes(m, N, s)
+    held = [kept if remat.recomputes(i) else block for i in range(m.n_layers)]
+    # the start of backward (every block's part), or a recomputed block j whole, the blocks below it as kept
+    return max([sum(held), *(sum(held[:j]) + block for j in range(m.n_layers) if remat.recomputes(j))]) + outside
 
 
 def fused_attention(cfg: Config, platform: str = "gpu") -> bool:
@@ -284,7 +295,8 @@ class Planner:
     def step(self, n: int, per_device_batch: int) -> Step:
         cfg = self.cfg
         tokens = per_device_batch * cfg.data.seq_len
-        compute_s = (flops_per_token(cfg) * tokens + self.compression_flops) / (self.peak * self.mfu)
+        flops = (flops_per_token(cfg) + recompute_flops_per_token(cfg)) * tokens  # model.remat's too: time, not MFU
+        compute_s = (flops + self.compression_flops) / (self.peak * self.mfu)
         window_s = {"forward": compute_s / 3, "backward": compute_s * 2 / 3}  # backward does twice forward's FLOPs
         link, busbw, _ = link_for(gpu_spec(self.gpu), n, self.interconnect, self.bandwidth_gbs)
         _, rings = self.traffic(n)
@@ -340,6 +352,17 @@ class Choice:
 
 
 @dataclass(frozen=True)
+class Fit:
+    """A change that makes the run fit JAX's default pool, re-checked: its bytes per device and predicted step."""
+
+    change: str  # the key=value settings that differ from the config
+    memory_total: int
+    step_s: float
+    tokens_per_s: float
+    devices: int
+
+
+@dataclass(frozen=True)
 class Plan:
     config: str
     gpu: str
@@ -361,6 +384,7 @@ class Plan:
     traffic: Traffic | None = None  # the strategy's collectives at the requested N (for the printout)
     rings: tuple[Ring, ...] = ()  # the same, on their links
     assumed: tuple[str, ...] = ()  # what the plan took that the config did not say (planning_assumptions)
+    fits: tuple[Fit, ...] = ()  # when no strategy fits at the requested N: what would, fastest first
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -509,6 +533,8 @@ def make_plan(
         s = dataclasses.replace(planner, strategy=strategy).step(devices, b)
         choices.append(Choice(strategy, held.opt_state, held.total, s.exposed_s, s.step_s, s.tokens_per_s))
     traffic, rings = planner.traffic(devices)
+    capacity = JAX_MEMORY_FRACTION * gpu_spec(gpu).memory_gb * 1e9
+    fits = () if any(c.memory_total <= capacity for c in choices) else what_fits(planner, state, devices, b, capacity)
 
     compression, compression_note = _compression(planner, devices, b)
 
@@ -541,7 +567,69 @@ def make_plan(
         traffic=traffic,
         rings=tuple(rings),
         assumed=tuple(assumed),
+        fits=fits,
     )
+
+
+REMAT_NOTES = {"dots": "recompute attention, norms and activations", "full": "recompute each block's forward"}
+
+
+def what_fits(planner: Planner, state: tuple, devices: int, per_device_batch: int, capacity: float,
+              limit: int = 8) -> tuple[Fit, ...]:  # fmt: skip
+    """The changes that fit `capacity` bytes per device, each re-checked by the planner (memory and step time),
+    fastest first: for every planned strategy and recomputation policy, the fewest train.grad_accum micro-batches
+    of today's per-device batch that fit; the parameters, gradients and optimizer state in bfloat16 (which changes
+    the numerics); and the fewest devices (doubling) at which a strategy fits at today's per-device batch."""
+    cfg, b, fused = planner.cfg, per_device_batch, fused_attention(planner.cfg)
+    found: list[Fit] = []
+
+    def consider(c: Config, n: int, st: tuple, note: str = "") -> bool:
+        accum = c.train.grad_accum
+        held = device_memory(c, n, b // accum, fused, c.parallel.strategy, st, accum)
+        if held.total > capacity:
+            return False
+        step = dataclasses.replace(planner, cfg=c, strategy=c.parallel.strategy).step(n, b)
+        change = " ".join(f"{k}={v}" for k, v in _changed(cfg, c).items()) + (f" --devices {n}" if n != devices else "")
+        found.append(Fit(change + note, held.total, step.step_s, step.tokens_per_s, n))
+        return True
+
+    for strategy in planned_strategies():
+        for policy in ("none", "dots", "full"):
+            for accum in (k for k in range(cfg.train.grad_accum, b + 1) if b % k == 0):
+                c = _with(cfg, strategy, policy, accum)
+                if consider(c, devices, state, f" ({REMAT_NOTES[policy]})" if policy in REMAT_NOTES else ""):
+                    break
+        n = devices * 2
+        while n <= 1024 and not consider(_with(cfg, strategy, cfg.model.remat, cfg.train.grad_accum), n, state):
+            n *= 2
+    if cfg.model.param_dtype != "bfloat16":
+        half = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, param_dtype="bfloat16"))
+        half_state = abstract_state(half)
+        for strategy in planned_strategies():
+            consider(_with(half, strategy, half.model.remat, half.train.grad_accum), devices, half_state,
+                     " (bfloat16 parameters, gradients and optimizer state: other numerics)")  # fmt: skip
+    unique = {f.change: f for f in sorted(found, key=lambda f: f.step_s / f.devices, reverse=True)}
+    return tuple(sorted(unique.values(), key=lambda f: (f.step_s, f.devices))[:limit])
+
+
+def _with(cfg: Config, strategy: str, remat: str, grad_accum: int) -> Config:
+    return dataclasses.replace(
+        cfg,
+        parallel=dataclasses.replace(cfg.parallel, strategy=strategy),
+        model=dataclasses.replace(cfg.model, remat=remat),
+        train=dataclasses.replace(cfg.train, grad_accum=grad_accum),
+    )
+
+
+def _changed(before: Config, after: Config) -> dict[str, object]:
+    """section.key: value for what `after` sets otherwise than `before`."""
+    out = {}
+    for section in ("parallel", "model", "train"):
+        a, b = getattr(before, section), getattr(after, section)
+        for f in dataclasses.fields(a):
+            if getattr(a, f.name) != getattr(b, f.name):
+                out[f"{section}.{f.name}"] = getattr(b, f.name)
+    return out
 
 
 def _compression(planner: Planner, n: int, batch: int) -> tuple[tuple, str]:
@@ -609,7 +697,7 @@ def format_plan(plan: Plan, cfg: Config) -> str:
         f"  total                       {_size(m.total):>10}   {fit_note(m.total, plan.gpu)}",
         "",
         f"step on {plan.devices} x {plan.gpu}: MFU {plan.mfu:.1%} {plan.mfu_source}",
-        f"  compute     {_ms(s.compute_s):>9} ms   {flops_per_token(cfg) / 1e6:,.1f} MFLOP/token x "
+        f"  compute     {_ms(s.compute_s):>9} ms   {flops_per_token(cfg) / 1e6:,.1f} MFLOP/token{_recomputed(cfg)} x "
         f"{s.per_device_batch * L:,} tokens at {plan.mfu:.1%} of {gpu.peak_flops(cfg.model.dtype) / 1e12:g} "
         f"TFLOP/s ({cfg.model.dtype})",
     ]
@@ -634,6 +722,14 @@ def format_plan(plan: Plan, cfg: Config) -> str:
         _table(plan.scaling, plan.devices),
     ]
     return "\n".join(lines)
+
+
+def _recomputed(cfg: Config) -> str:
+    """What model.remat adds to each token's FLOPs, for the compute line ('' without recomputation)."""
+    if not (extra := recompute_flops_per_token(cfg)):
+        return ""
+    every = f", every {cfg.model.remat_every} blocks" if cfg.model.remat_every > 1 else ""
+    return f" + {extra / 1e6:,.1f} recomputed (model.remat={cfg.model.remat}{every})"
 
 
 _SHARE = {"all-reduce": "2({n}-1)/{n}", "reduce-scatter": "({n}-1)/{n}", "all-gather": "({n}-1)/{n}"}
@@ -687,8 +783,14 @@ def _strategy_lines(plan: Plan) -> list[str]:
     if fitting:
         best = min(fitting, key=lambda c: c.step_s)
         out.append(f"  fastest that fits JAX's default pool: parallel.strategy={best.strategy}")
+    elif plan.fits:
+        out.append("  none fits JAX's default pool at this batch; what would, each re-checked (fastest step first):")
+        for f in plan.fits:
+            out.append(f"    {f.change}: {_size(f.memory_total)} per device, step {_ms(f.step_s)} ms, "
+                       f"{f.tokens_per_s / f.devices:,.0f} tokens/s per GPU")  # fmt: skip
     else:
-        out.append("  none fits JAX's default pool at this batch (see the memory lines above for what would)")
+        out.append("  none fits JAX's default pool at this batch, and no change jdp plans makes it fit: train a smaller "
+                   "model (model.d_model, model.n_layers)")  # fmt: skip
     return [*out, ""]
 
 

@@ -65,6 +65,7 @@ from jdp.metrics import (
 )
 from jdp.parallel import strategies
 from jdp.parallel.comm_hooks import CommHook
+from jdp.parallel.remat import Remat
 from jdp.rundir import RunDir, RunDirInUse, RunLock
 
 __all__ = ["FitResult", "RunError", "Trainer"]
@@ -397,7 +398,7 @@ def apply_xla_options(cfg: Config) -> None:
 def build_steps(model, loss_fn, optimizer, mesh, cfg: Config, schedule=None, comm_hook=None, factory=None) -> Steps:
     """parallel.assemble's state and steps, with what the trainer's checkpoints need of them."""
     a = parallel.assemble(model, loss_fn, optimizer, mesh, cfg.parallel, cfg.train.grad_accum, schedule, comm_hook,
-                          factory)  # fmt: skip
+                          factory, Remat.of(cfg.model))  # fmt: skip
     return Steps(a.graphdef, a.state, a.train_step, a.eval_step, optimizer, mesh, cfg.parallel.strategy, comm_hook)
 
 

@@ -19,6 +19,8 @@ alternating in rounds, so the machine's background load hits both sides alike:
   powersgd          parallel.compression=powersgd (rank 4, no warm-up) against plain ddp on 2 processes
                     (`jdp launch`, gloo on CPU): the bytes each step all-reduces (from the compiled programs, as
                     `jdp allreduce` reports them) and the step time ratio (> 1: PowerSGD is faster).
+  remat             model.remat=dots and full against none on one device: step time over none's (> 1: slower) and
+                    the compiled step's temporaries (the activations kept for backward) over none's.
   loader_vs_step    the loader's tokens/s over the tokens/s one training step consumes.
   mfu               achieved model FLOP/s over the peak: the measured matmul rate on a CPU, the datasheet on a GPU.
 
@@ -234,6 +236,52 @@ def measure_strategies(config: str, overrides: list[str], rounds: int, steps: in
     return out
 
 
+def measure_remat(config: str, overrides: list[str], rounds: int, steps: int) -> dict:
+    """Step time and the compiled step's temporaries under each model.remat policy, alternating, on one device."""
+    cfg = _setup(config, overrides)
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from jdp import parallel
+    from jdp.build import build
+
+    mesh = parallel.make_mesh()
+    t = cfg.train
+    rng = np.random.default_rng(0)
+    shape = (t.batch_size, cfg.data.seq_len)
+    local = {
+        "inputs": rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32),
+        "targets": rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32),
+        "weights": np.ones(shape, np.float32),
+    }
+    batch = parallel.shard_batch(local, mesh, t.batch_size)
+    runs, temp = {}, {}
+    for policy in ("none", "dots", "full"):
+        c = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=policy))
+        _, state, step, *_ = build(c, mesh)
+        temp[policy] = step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+        state, m = step(state, batch)
+        jax.block_until_ready(m)
+        runs[policy] = [state, step]
+    times = {p: [] for p in runs}
+    for _ in range(rounds):
+        for policy, run in runs.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                run[0], m = run[1](run[0], batch)
+            jax.block_until_ready(m)
+            times[policy].append((time.perf_counter() - start) / steps)
+    out = {}
+    for policy in runs:
+        step_s = statistics.median(times[policy])
+        out[policy] = {"step_s": step_s, "temp_bytes": temp[policy],
+                       "time_vs_none": step_s / statistics.median(times["none"]),
+                       "temp_vs_none": temp[policy] / temp["none"]}  # fmt: skip
+    return out
+
+
 # ---------------------------------------------------------------- jdp against PyTorch DDP, both as launched jobs
 
 
@@ -280,7 +328,8 @@ def main() -> int:
     ap.add_argument("overrides", nargs="*", help="section.key=value for the config")
     a = ap.parse_args()
     if a.child:
-        fn = {"single": measure_single, "ddp_dp": measure_ddp_dp, "zero1": measure_zero1, "fsdp": measure_fsdp}[a.child]
+        fn = {"single": measure_single, "ddp_dp": measure_ddp_dp, "zero1": measure_zero1, "fsdp": measure_fsdp,
+              "remat": measure_remat}[a.child]  # fmt: skip
         print(json.dumps(fn(a.config, a.overrides, a.rounds, a.steps)))
         return 0
     if not a.out:
@@ -302,6 +351,10 @@ def main() -> int:
         split_vs_ddp(a, gpu, out, results, "fsdp")
     if "powersgd" in a.only:
         powersgd_vs_ddp(a, gpu, out, results)
+    if "remat" in a.only:
+        print(f"[bench] model.remat none, dots, full on 1 device, {a.rounds} rounds of {a.steps} steps", flush=True)
+        args = ["--config", a.config, "--rounds", str(a.rounds), "--steps", str(a.steps), *a.overrides]
+        results["remat"] = child("remat", 0 if gpu else 1, args)
     if "torch" in a.only and not a.skip_torch:
         jdp_vs_torch(a, gpu, out, results)
     results["wall_s"] = time.time() - started
@@ -311,7 +364,7 @@ def main() -> int:
     return 0
 
 
-SECTIONS = ["single", "ddp_dp", "zero1", "fsdp", "powersgd", "torch"]
+SECTIONS = ["single", "ddp_dp", "zero1", "fsdp", "powersgd", "remat", "torch"]
 
 
 def single_device(a, gpu: bool, results: dict) -> None:
@@ -467,6 +520,17 @@ def table(r: dict) -> str:
                 f"powersgd {statistics.median(t['powersgd']):,.0f}, ddp {statistics.median(t['ddp']):,.0f} tokens/s",
             )
         )
+    for policy in ("dots", "full"):
+        if policy in r.get("remat", {}):
+            q, none = r["remat"][policy], r["remat"]["none"]
+            rows.append(
+                (
+                    f"remat={policy} (1 dev)",
+                    f"{q['time_vs_none']:.3f}",
+                    f"step time over none's; activations kept {q['temp_bytes'] / 1e6:,.1f} MB against "
+                    f"{none['temp_bytes'] / 1e6:,.1f} MB ({q['temp_vs_none']:.2f}x)",
+                )
+            )
     if "jdp_vs_torch_ddp" in r:
         t = r["torch_ddp"]
         j, p = statistics.median(t["jdp_tokens_per_s"]), statistics.median(t["torch_tokens_per_s"])

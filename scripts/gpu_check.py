@@ -65,6 +65,7 @@ class Profile:
     new_tokens: int  # sampling: tokens drawn after the prompt
     sample_len: int  # sampling: model.max_seq_len (the window the uncached path re-reads per token)
     trace_steps: int
+    remat: tuple = ()  # (config, overrides): model.remat none, dots and full side by side (peak memory, ms/step)
     budgets: dict = field(default_factory=dict)  # step -> seconds it may take at most
 
 
@@ -90,6 +91,7 @@ GPU = Profile(
     new_tokens=256,
     sample_len=512,
     trace_steps=2,
+    remat=("llama-3.2-1b", ("data.seq_len=2048", "train.batch_size=8", "model.dtype=bfloat16")),
     budgets={
         "devices": 60,
         "correctness": 150,
@@ -98,6 +100,7 @@ GPU = Profile(
         "plan": 60,
         "profile": 90,
         "generate": 120,
+        "remat": 180,
     },
 )
 
@@ -113,6 +116,7 @@ CPU = Profile(
     new_tokens=24,
     sample_len=128,
     trace_steps=2,
+    remat=("llama-tiny", ("model.n_layers=2", "data.seq_len=64", "train.batch_size=4")),
     budgets={
         "devices": 60,
         "correctness": 120,
@@ -121,6 +125,7 @@ CPU = Profile(
         "plan": 60,
         "profile": 90,
         "generate": 90,
+        "remat": 90,
     },
 )
 
@@ -389,12 +394,65 @@ def child_generate(p: Profile, work: Path) -> dict:
     return out
 
 
+def child_remat(p: Profile, work: Path) -> dict:
+    """model.remat none, dots and full on one device: the compiled step's bytes (temporaries: the activations kept
+    for backward), the planner's activation estimate beside them, and ms/step (median of 5 after 3 warm-up steps);
+    the losses of the first steps, which recomputation must not change."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from jdp import parallel, plan
+    from jdp.build import build
+    from jdp.config import load_config
+
+    config, overrides = p.remat
+    base = load_config(config, [*overrides, "train.run_dir=/dev/null", "optim.warmup_steps=0"])
+    mesh = parallel.make_mesh(jax.devices()[:1])
+    rows, length = base.train.batch_size, base.data.seq_len
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, 256, (rows, length + 1)).astype(np.int32)
+    local = {"inputs": toks[:, :-1], "targets": toks[:, 1:], "weights": np.ones((rows, length), np.float32)}
+    batch = parallel.shard_batch(local, mesh, rows)
+    out = {"config": config, "overrides": list(overrides), "policies": {}}
+    for policy in ("none", "dots", "full"):
+        cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, remat=policy))
+        built = build(cfg, mesh)
+        m = built.train_step.lower(built.state, batch).compile().memory_analysis()
+        state, losses = built.state, []
+        for _ in range(3):
+            state, metrics = built.train_step(state, batch)
+            losses.append(float(metrics["loss"]))
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            state, metrics = built.train_step(state, batch)
+            jax.block_until_ready(metrics)
+            times.append(time.perf_counter() - start)
+        fused = plan.fused_attention(cfg, jax.devices()[0].platform)
+        out["policies"][policy] = {
+            "temp_bytes": m.temp_size_in_bytes,
+            "total_bytes": m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+            + m.temp_size_in_bytes,
+            "planned_activation_bytes": plan.activation_bytes(cfg, rows, fused),
+            "step_ms": statistics.median(times) * 1e3,
+            "losses": losses,
+        }
+        del built, state
+    none = out["policies"]["none"]
+    for q in out["policies"].values():
+        q["same_losses"] = all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(q["losses"], none["losses"], strict=True))
+    return out
+
+
 CHILDREN = {
     "devices": child_devices,
     "correctness": child_correctness,
     "attention": child_attention,
     "profile": child_profile,
     "generate": child_generate,
+    "remat": child_remat,
 }
 
 
@@ -765,7 +823,22 @@ def summary(r: dict) -> str:
                          f"{g['cached_tokens_per_sec']:,.0f} | {g['uncached_tokens_per_sec']:,.0f} | "
                          f"{g['cached_vs_uncached']:.1f} | {g['same_tokens']} |")  # fmt: skip
 
+    rm = steps.get("remat", {})
+    L += ["", "## Activation recomputation (model.remat)", ""]
+    if "error" in rm:
+        L.append(f"FAILED: {rm['error']}")
+    elif rm:
+        L += [f"{rm['config']} {' '.join(rm['overrides'])}, one device: the compiled step's temporaries (what backward "
+              "keeps) beside the planner's activation estimate, ms/step (median of 5), and whether the first losses "
+              "are those without recomputation (to 0.1%).", "",
+              "| model.remat | temporaries | planned activations | total compiled | ms/step | same losses |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
+        for policy, q in rm["policies"].items():
+            L.append(f"| {policy} | {_gb(q['temp_bytes'])} | {_gb(q['planned_activation_bytes'])} | "
+                     f"{_gb(q['total_bytes'])} | {q['step_ms']:.1f} | {q['same_losses']} |")  # fmt: skip
+
     failed = [k for k, v in steps.items() if isinstance(v, dict) and "error" in v]
+    failed += [f"remat:{k}" for k, q in rm.get("policies", {}).items() if not q.get("same_losses", True)]
     failed += [f"correctness:{k}" for k, v in c.items() if isinstance(v, dict) and not v.get("ok", True)]
     failed += [f"guard:{k}" for k, v in c.items() if isinstance(v, dict) and not v.get("guard", {}).get("ok", True)]
     failed += [f"sampling:{k}" for k, g in gen.items()
@@ -853,6 +926,7 @@ def main() -> int:
             check.child("generate")
             for t in rest:  # the largest, last: where the budget runs out, only it is lost
                 check.train(t)
+            check.child("remat")  # a ~1B Llama three times: last of all
     except Exception:  # the parent's own fault: still write what was measured
         check.results["steps"]["gpu_check"] = {"error": traceback.format_exc()[-1500:]}
     finally:

@@ -49,8 +49,8 @@ def test_its_refusals_are_the_configs():
 
 def test_jdps_own_formats_have_their_loaders_in_a_fresh_process():
     """`jdp train data.format=chat` failed ("'NoneType' object is not callable") in a process where nothing had
-    imported jdp/data/sft.py (the tests do): the registry imports a format's own module when it is first asked."""
-    probe = ("from jdp.data import formats; "
+    imported jdp/data/sft.py (the tests do): the text pipeline, which reads every format, imports jdp's own."""
+    probe = ("from jdp.data import formats, load_data; "
              "print([(f.load is None, f.mix is None, f.stream is None) for f in map(formats.get, formats.names())])")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=TESTS.parent)
     assert out.returncode == 0, out.stderr[-2000:]

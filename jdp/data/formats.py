@@ -8,7 +8,6 @@ prompt: sft.py), so this module imports none of them and the `jdp` command start
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -46,7 +45,6 @@ _FORMATS: dict[str, Format] = {
     )
 }
 _BUILTIN = tuple(_FORMATS)
-_HOME = {"text": "jdp.data.pipeline", "chat": "jdp.data.sft", "prompt": "jdp.data.sft"}  # where each attaches its own
 
 
 def names() -> tuple[str, ...]:
@@ -54,11 +52,8 @@ def names() -> tuple[str, ...]:
 
 
 def get(name: str) -> Format:
-    """The entry of data.format=name, with its loaders: jdp's own formats' module is imported on first use."""
     if name not in _FORMATS:
         raise ConfigError(f"data.format={name!r} must be one of {', '.join(_FORMATS)}")
-    if _FORMATS[name].load is None and name in _HOME:
-        importlib.import_module(_HOME[name])  # attaches its loaders
     return _FORMATS[name]
 
 

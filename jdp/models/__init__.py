@@ -54,6 +54,10 @@ class Family(Protocol):
         """The bytes one block keeps for backward from a micro-batch of `tokens` tokens (compute dtype of
         `itemsize` bytes), except the attention's softmax, which jdp/plan.py counts for every family alike."""
 
+    # optional: block_projection_bytes(m, tokens, itemsize), the bytes of the block's input and of its matrix
+    # products' outputs (what model.remat=dots keeps: jdp/parallel/remat.py); without it the planner counts
+    # block_activation_bytes, as if dots kept everything
+
 
 def register(family: Any) -> None:
     """Make `family` (a module or object with the `Family` names) what model.arch=family.NAME builds."""
@@ -87,6 +91,15 @@ def keys(arch: str) -> tuple[str, ...]:
     `arch` names no family: the config check then says so)."""
     own = set(SHARED_KEYS) | set(get(arch).KEYS) if arch in names() else None
     return tuple(f.name for f in dataclasses.fields(ModelConfig) if own is None or f.name in own)
+
+
+def projection_bytes(m: ModelConfig, tokens: int, itemsize: int) -> int:
+    """What one block keeps for backward under model.remat=dots: its input and its projections' outputs (the
+    family's block_projection_bytes; a family without it: all it keeps without recomputation)."""
+    family = get(m.arch)
+    if (count := getattr(family, "block_projection_bytes", None)) is not None:
+        return count(m, tokens, itemsize)
+    return family.block_activation_bytes(m, tokens, itemsize)
 
 
 def ff_width(m: ModelConfig) -> int:

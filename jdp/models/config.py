@@ -42,6 +42,10 @@ class ModelConfig:
     # The padding token's embedding row (config.json's pad_token_id, set by an import): its lookups pass no gradient
     # to it, as transformers' nn.Embedding(padding_idx=...) has it; -1: none
     pad_id: int = -1
+    # Activation recomputation in backward (jdp/parallel/remat.py): none, dots (keep the projections' outputs,
+    # recompute attention, norms and activations: MaxText's minimal) or full (keep each block's input only)
+    remat: str = "none"
+    remat_every: int = 1  # recompute blocks 0, N, 2N, ... and keep the others' activations (1: every block)
 
     @property
     def kv_heads(self) -> int:
@@ -56,4 +60,4 @@ class ModelConfig:
 
 # The keys every family reads (the rest are a family's own: its KEYS).
 SHARED_KEYS = ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "dtype", "param_dtype", "attention",
-               "vocab_valid", "arch", "norm_eps", "pad_id")  # fmt: skip
+               "vocab_valid", "arch", "norm_eps", "pad_id", "remat", "remat_every")  # fmt: skip

@@ -55,6 +55,12 @@ def block_activation_bytes(m: ModelConfig, tokens: int, itemsize: int) -> int:
     return (8 + 3 * m.mlp_ratio) * N * D * itemsize + norm_stats
 
 
+def block_projection_bytes(m: ModelConfig, tokens: int, itemsize: int) -> int:
+    """Under model.remat=dots: the block's input (ND) and its projections' outputs, q, k and v (3 ND), the
+    attention's output projection (ND), the MLP's up (r ND) and down (ND) projections."""
+    return (6 + m.mlp_ratio) * tokens * m.d_model * itemsize
+
+
 def _linear(cfg: ModelConfig, d_in: int, d_out: int, std: float, rngs: nnx.Rngs) -> nnx.Linear:
     # By default no biases in the projections (as in PaLM, LLaMA, nanoGPT's bias=False). The key bias in
     # particular has an exactly-zero gradient (softmax ignores a constant shift), which Adam turns rounding noise

@@ -98,6 +98,13 @@ def block_activation_bytes(m: ModelConfig, tokens: int, itemsize: int) -> int:
     return (4 * N * D + 3 * N * H * K + 3 * N * G * K + 4 * N * F) * itemsize + 2 * N * 4
 
 
+def block_projection_bytes(m: ModelConfig, tokens: int, itemsize: int) -> int:
+    """Under model.remat=dots: the block's input (ND) and its projections' outputs, q (NHK), k and v (2 NGK), the
+    output projection (ND), SwiGLU's gate and up (2 NF) and down (ND) projections."""
+    N, D, H, G, K, F = tokens, m.d_model, m.n_heads, m.kv_heads, m.head_width, ff_width(m)
+    return (3 * N * D + N * H * K + 2 * N * G * K + 2 * N * F) * itemsize
+
+
 def _linear(cfg: ModelConfig, d_in: int, d_out: int, std: float, rngs: nnx.Rngs, bias: bool = False) -> nnx.Linear:
     return nnx.Linear(
         d_in,

@@ -16,6 +16,7 @@ from flax import nnx
 from jdp.parallel import strategies
 from jdp.parallel.comm_hooks import CommHook
 from jdp.parallel.mesh import Batch, make_mesh, replicate, replicated
+from jdp.parallel.remat import Remat, recomputing
 from jdp.parallel.step import (
     LossFn,
     OptLayout,
@@ -112,11 +113,14 @@ class Assembled(NamedTuple):
 
 def assemble(model: nnx.Module, loss_fn: LossFn, optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh,
              par, grad_accum: int = 1, schedule: optax.Schedule | None = None, comm_hook: CommHook | None = None,
-             factory: Callable[[], nnx.Module] | None = None) -> Assembled:  # fmt: skip
+             factory: Callable[[], nnx.Module] | None = None, remat: Remat | None = None) -> Assembled:  # fmt: skip
     """The one way the trainer and jdp's commands assemble a run's state and steps, as a config's `parallel`
     section (`par`) asks: the model's state laid out for par.strategy, the jitted train step, and an eval step that
     runs the model in evaluation mode (`model.eval()`: dropout off, BatchNorm's running statistics). With `factory`
-    (what makes the model; `model` is then its shapes) the state is made by init_state_from."""
+    (what makes the model; `model` is then its shapes) the state is made by init_state_from. `remat`: which blocks
+    the train step recomputes in backward (model.remat; remat.py)."""
+    remat = remat or Remat()
+    remat.check(model)  # before anything is placed: a model with no blocks to recompute is refused
     model.eval()
     eval_graphdef = nnx.graphdef(model)
     model.train()
@@ -124,7 +128,8 @@ def assemble(model: nnx.Module, loss_fn: LossFn, optimizer: optax.GradientTransf
         graphdef, state = init_state_from(factory, optimizer, mesh, par.strategy, comm_hook)
     else:
         graphdef, state = init_state(model, optimizer, mesh, par.strategy, comm_hook)
-    train_step = configured_train_step(graphdef, loss_fn, optimizer, mesh, par, grad_accum, schedule, comm_hook)
+    train_loss = recomputing(loss_fn, remat)
+    train_step = configured_train_step(graphdef, train_loss, optimizer, mesh, par, grad_accum, schedule, comm_hook)
     return Assembled(graphdef, state, train_step, make_strategy_eval_step(eval_graphdef, loss_fn, mesh, par.strategy))
 
 

@@ -8,8 +8,8 @@ gathered first. The gather's backward is a reduce-scatter of that unit's gradien
 each device receives the summed gradient of its own rows only, as backward finishes the block. With
 `reshard_after_forward` (the default, ZeRO-3) a block's gathered parameters are dropped after its forward and
 gathered again for its backward (jax.checkpoint saving the matrix products' outputs only, so what is recomputed
-is the gather and the block's elementwise work); without it they stay until backward (ZeRO-2-like: faster, one
-model's worth of parameters more). The optimizer update runs on the rows, as zero1's does on its slices.
+is the gather and the block's elementwise work; model.remat gives it another policy: parallel/remat.py); without it
+they stay until backward (ZeRO-2-like: faster, one model's worth of parameters more). The optimizer update runs on the rows, as zero1's does on its slices.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jdp.parallel import remat
 from jdp.parallel.comm_hooks import CommHook
 from jdp.parallel.costs import Buckets, Collectives, Memory, Traffic, tree_bytes
 from jdp.parallel.guards import RefusingDonated, check_batch
@@ -385,12 +386,18 @@ class _Gathered(nnx.Module):
 
     def __init__(self, module: nnx.Module, gather, reshard: bool, once: _Once | None):
         self.module, self.gather, self.reshard, self.once = module, gather, reshard, once
+        self.policy = remat.RESHARD if reshard else None  # what backward keeps (None: all, nothing recomputed)
+
+    def recompute(self, policy):
+        """Run under jax.checkpoint with `policy` (model.remat, remat.recomputing); returns the one it replaces."""
+        before, self.policy = self.policy, policy
+        return before
 
     def __call__(self, *args, **kwargs):
         return self.run("__call__", args, kwargs)
 
     def __getattr__(self, name: str):
-        if name.startswith("_") or name in ("module", "gather", "reshard", "once"):
+        if name.startswith("_") or name in ("module", "gather", "reshard", "once", "policy"):
             raise AttributeError(name)
         if not callable(getattr(type(self.module), name, None)):
             raise AttributeError(f"strategy='fsdp' gathers {type(self.module).__name__}'s parameters when it is "
@@ -414,8 +421,8 @@ class _Gathered(nnx.Module):
             out = getattr(module, method)(*[arrays.get(i, a) for i, a in enumerate(args)], **kwargs)
             return out, nnx.split(module, nnx.Param, ...)[2]
 
-        if self.reshard:
-            run = jax.checkpoint(run, policy=jax.checkpoint_policies.dots_saveable)
+        if self.policy is not None:  # resharding, or model.remat: gathered again in backward, and recomputed
+            run = jax.checkpoint(run, policy=self.policy)
         out, rest = run(leaves, rest, arrays)
         nnx.update(self.module, rest)
         return out
