@@ -116,7 +116,7 @@ CPU = Profile(
     new_tokens=24,
     sample_len=128,
     trace_steps=2,
-    remat=("llama-tiny", ("model.n_layers=2", "data.seq_len=64", "train.batch_size=4")),
+    remat=("llama-tiny", ("model.n_layers=2", "data.seq_len=128", "train.batch_size=8")),
     budgets={
         "devices": 60,
         "correctness": 120,
