@@ -187,16 +187,11 @@ def measure_fsdp(config: str, overrides: list[str], rounds: int, steps: int) -> 
     return {**r, "fsdp_vs_ddp": r["fsdp_step_s"] / r["ddp_step_s"]}
 
 
-def measure_strategies(config: str, overrides: list[str], rounds: int, steps: int, strategies: tuple) -> dict:
-    """Step time of each strategy on every device of this process, alternating; optimizer bytes on one device."""
-    cfg = _setup(config, overrides)
-    import dataclasses
-
-    import jax
+def _random_batch(cfg):
+    """Every device of this process (the mesh) and one random global batch of the config's shape on it."""
     import numpy as np
 
     from jdp import parallel
-    from jdp.build import build
 
     mesh = parallel.make_mesh()
     t = cfg.train
@@ -207,7 +202,34 @@ def measure_strategies(config: str, overrides: list[str], rounds: int, steps: in
         "targets": rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32),
         "weights": np.ones(shape, np.float32),
     }
-    batch = parallel.shard_batch(local, mesh, t.batch_size)
+    return mesh, parallel.shard_batch(local, mesh, t.batch_size)
+
+
+def _alternating(runs: dict, batch, rounds: int, steps: int) -> dict:
+    """Seconds per step of each [state, step] in `runs`, `rounds` rounds of `steps` steps each, taken in turn."""
+    import jax
+
+    times = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                run[0], m = run[1](run[0], batch)
+            jax.block_until_ready(m)
+            times[name].append((time.perf_counter() - start) / steps)
+    return times
+
+
+def measure_strategies(config: str, overrides: list[str], rounds: int, steps: int, strategies: tuple) -> dict:
+    """Step time of each strategy on every device of this process, alternating; optimizer bytes on one device."""
+    cfg = _setup(config, overrides)
+    import dataclasses
+
+    import jax
+
+    from jdp.build import build
+
+    mesh, batch = _random_batch(cfg)
     runs, opt_bytes, param_bytes = {}, {}, {}
     first = mesh.devices.flat[0]
     for strategy in strategies:
@@ -220,14 +242,7 @@ def measure_strategies(config: str, overrides: list[str], rounds: int, steps: in
         opt_bytes[strategy] = sum(s.data.nbytes for s in shards)
         mine = [s for x in jax.tree.leaves(state.params) for s in x.addressable_shards if s.device == first]
         param_bytes[strategy] = sum(s.data.nbytes for s in mine)
-    times = {s: [] for s in strategies}
-    for _ in range(rounds):
-        for strategy, run in runs.items():
-            start = time.perf_counter()
-            for _ in range(steps):
-                run[0], m = run[1](run[0], batch)
-            jax.block_until_ready(m)
-            times[strategy].append((time.perf_counter() - start) / steps)
+    times = _alternating(runs, batch, rounds, steps)
     out = {"devices": mesh.devices.size}
     for s in strategies:
         out[f"{s}_step_s"] = statistics.median(times[s])
@@ -242,21 +257,10 @@ def measure_remat(config: str, overrides: list[str], rounds: int, steps: int) ->
     import dataclasses
 
     import jax
-    import numpy as np
 
-    from jdp import parallel
     from jdp.build import build
 
-    mesh = parallel.make_mesh()
-    t = cfg.train
-    rng = np.random.default_rng(0)
-    shape = (t.batch_size, cfg.data.seq_len)
-    local = {
-        "inputs": rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32),
-        "targets": rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32),
-        "weights": np.ones(shape, np.float32),
-    }
-    batch = parallel.shard_batch(local, mesh, t.batch_size)
+    mesh, batch = _random_batch(cfg)
     runs, temp = {}, {}
     for policy in ("none", "dots", "full"):
         c = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=policy))
@@ -265,14 +269,7 @@ def measure_remat(config: str, overrides: list[str], rounds: int, steps: int) ->
         state, m = step(state, batch)
         jax.block_until_ready(m)
         runs[policy] = [state, step]
-    times = {p: [] for p in runs}
-    for _ in range(rounds):
-        for policy, run in runs.items():
-            start = time.perf_counter()
-            for _ in range(steps):
-                run[0], m = run[1](run[0], batch)
-            jax.block_until_ready(m)
-            times[policy].append((time.perf_counter() - start) / steps)
+    times = _alternating(runs, batch, rounds, steps)
     out = {}
     for policy in runs:
         step_s = statistics.median(times[policy])

@@ -334,17 +334,7 @@ def child_profile(p: Profile, work: Path) -> dict:
         )
     except Exception as e:
         out["compiled_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-    state = built.state
-    for _ in range(3):  # compile and warm up
-        state, metrics = built.train_step(state, batch)
-    jax.block_until_ready(metrics)
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        state, metrics = built.train_step(state, batch)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - start)
-    out["bare_step_ms"] = statistics.median(times) * 1e3
+    out["bare_step_ms"], _, state = _median_step_ms(built.train_step, built.state, batch)
     out["peak_memory_bytes"] = peak_device_bytes(jax.local_devices())
     trace = work / "trace"
     try:  # the profiler (CUPTI on a GPU) failing loses the trace, not the numbers above
@@ -358,6 +348,24 @@ def child_profile(p: Profile, work: Path) -> dict:
     out["trace_steps"] = p.trace_steps
     out["trace_files"] = sorted(str(f.relative_to(trace)) for f in trace.rglob("*") if f.is_file())
     return out
+
+
+def _median_step_ms(step, state, batch) -> tuple[float, list[float], object]:
+    """The median of 5 timed steps after 3 that compile and warm up, those 3 losses (the run's first), and the state
+    after them all (the step donates the one it is given)."""
+    import jax
+
+    losses = []
+    for _ in range(3):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3, losses, state
 
 
 def child_generate(p: Profile, work: Path) -> dict:
@@ -420,26 +428,17 @@ def child_remat(p: Profile, work: Path) -> dict:
         cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, remat=policy))
         built = build(cfg, mesh)
         m = built.train_step.lower(built.state, batch).compile().memory_analysis()
-        state, losses = built.state, []
-        for _ in range(3):
-            state, metrics = built.train_step(state, batch)
-            losses.append(float(metrics["loss"]))
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            state, metrics = built.train_step(state, batch)
-            jax.block_until_ready(metrics)
-            times.append(time.perf_counter() - start)
+        step_ms, losses, _ = _median_step_ms(built.train_step, built.state, batch)
         fused = plan.fused_attention(cfg, jax.devices()[0].platform)
         out["policies"][policy] = {
             "temp_bytes": m.temp_size_in_bytes,
             "total_bytes": m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
             + m.temp_size_in_bytes,
             "planned_activation_bytes": plan.activation_bytes(cfg, rows, fused),
-            "step_ms": statistics.median(times) * 1e3,
+            "step_ms": step_ms,
             "losses": losses,
         }
-        del built, state
+        del built
     none = out["policies"]["none"]
     for q in out["policies"].values():
         q["same_losses"] = all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(q["losses"], none["losses"], strict=True))

@@ -47,6 +47,8 @@ def test_recomputed_steps_are_the_steps_without_it_under_every_strategy_on_4_dev
         (4, "parallel.strategy=hsdp", "parallel.shard_size=2", "model.remat=full", "model.remat_every=2"),
         (1, "parallel.strategy=ddp", "model.remat=dots", "train.grad_accum=2"),
     ]
+    if arch == "llama":  # the family's blocks take the same wrapper: three of GPT's cases suffice
+        cases = [cases[0], cases[3], cases[4]]
     for devices, *overrides in cases:
         got, params = steps(arch, devices, *overrides)
         for (a, ga), (b, gb) in zip(reference, got, strict=True):
