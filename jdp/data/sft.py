@@ -447,7 +447,8 @@ class StreamExamples(Shards):
                 f"{self.val.describe()} | {data.describe_tokenizer()}")  # fmt: skip
 
 
-def _open_stream(corpus, tokenizer, cfg: DataConfig, rows: int, rank: int, world: int) -> StreamExamples:
+def stream_examples(corpus, tokenizer, cfg: DataConfig, rows: int, rank: int, world: int) -> StreamExamples:
+    """data.format=chat or prompt, streamed: validation held out of the stream's head (or its split)."""
     template = ChatTemplate.load(cfg) if cfg.format == "chat" else None
     val, held = hold_out_examples(corpus.train if corpus.val is None else corpus.val, tokenizer, cfg, template)
     if cfg.val_tokens > 0 and not len(val.tokens):
@@ -456,15 +457,10 @@ def _open_stream(corpus, tokenizer, cfg: DataConfig, rows: int, rank: int, world
     return StreamExamples(corpus.train, tokenizer, cfg, rows, rank, world, exclude, corpus.identity, template, val)
 
 
-def stream_examples(corpus, tokenizer, cfg: DataConfig, rows: int, rank: int, world: int) -> StreamExamples:
-    """data.format=chat or prompt, streamed: validation held out of the stream's head (or its split)."""
-    return _open_stream(corpus, tokenizer, cfg, rows, rank, world)
-
-
 def examples_stream_source(corpus, tokenizer, sub: DataConfig, rows: int, rank: int, world: int, label: str):
     """data.format=chat or prompt as a streamed data.sources entry: its stream, and the source that holds its
     validation windows (mixture.StreamMixture asks the first for windows, the second for validation)."""
-    st = _open_stream(corpus, tokenizer, sub, rows, rank, world)
+    st = stream_examples(corpus, tokenizer, sub, rows, rank, world)
     empty = Examples(np.zeros((0, sub.seq_len + 1), np.uint16), np.zeros((0, sub.seq_len + 1), np.uint8), 0, 0, 0, 0)
     return st, ExampleSource(label, empty, st.val, sub.seq_len)
 
