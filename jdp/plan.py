@@ -589,8 +589,8 @@ def what_fits(planner: Planner, state: tuple, devices: int, per_device_batch: in
         if held.total > capacity:
             return False
         step = dataclasses.replace(planner, cfg=c, strategy=c.parallel.strategy).step(n, b)
-        change = " ".join(f"{k}={v}" for k, v in _changed(cfg, c).items()) + (f" --devices {n}" if n != devices else "")
-        found.append(Fit(change + note, held.total, step.step_s, step.tokens_per_s, n))
+        change = [f"{k}={v}" for k, v in _changed(cfg, c).items()] + ([f"--devices {n}"] if n != devices else [])
+        found.append(Fit(" ".join(change) + note, held.total, step.step_s, step.tokens_per_s, n))
         return True
 
     for strategy in planned_strategies():
@@ -608,8 +608,7 @@ def what_fits(planner: Planner, state: tuple, devices: int, per_device_batch: in
         for strategy in planned_strategies():
             consider(_with(half, strategy, half.model.remat, half.train.grad_accum), devices, half_state,
                      " (bfloat16 parameters, gradients and optimizer state: other numerics)")  # fmt: skip
-    unique = {f.change: f for f in sorted(found, key=lambda f: f.step_s / f.devices, reverse=True)}
-    return tuple(sorted(unique.values(), key=lambda f: (f.step_s, f.devices))[:limit])
+    return tuple(sorted(found, key=lambda f: (f.step_s, f.devices))[:limit])
 
 
 def _with(cfg: Config, strategy: str, remat: str, grad_accum: int) -> Config:
