@@ -21,6 +21,7 @@ from jax.experimental import multihost_utils
 from jdp import plan
 from jdp.config import Config, ConfigError, Derived
 from jdp.parallel import strategies
+from jdp.parallel.remat import POLICIES
 
 __all__ = [
     "LARGER_FRACTION",
@@ -225,7 +226,7 @@ def suggestions(cfg: Config, derived: Derived, pool: Pool, m: plan.Memory, fused
             compression = " parallel.compression=none" if not hooks and p.compression != "none" else ""
             why = strategies.get(other).saves.format(n=n, opt=_gb(alt.opt_state))
             out.append(f"parallel.strategy={other}{compression} ({why}): {pool.amount(need)}")
-    policies = ("none", "dots", "full")
+    policies = tuple(POLICIES)  # from the least recomputation to the most
     stronger = policies[policies.index(cfg.model.remat) + 1 :]
     for policy in stronger:  # the least recomputation that fits (model.remat: parallel/remat.py)
         c = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=policy, remat_every=1))

@@ -57,7 +57,7 @@ from jdp.optim import make_optimizer
 from jdp.parallel import strategies
 from jdp.parallel.buckets import bucket_plan
 from jdp.parallel.costs import WINDOWS, Buckets, Collectives, Memory, Traffic, ring_s, tree_bytes
-from jdp.parallel.remat import Remat
+from jdp.parallel.remat import POLICIES, Remat
 from jdp.parallel.step import param_names
 from jdp.rundir import RunDir
 
@@ -594,7 +594,7 @@ def what_fits(planner: Planner, state: tuple, devices: int, per_device_batch: in
         return True
 
     for strategy in planned_strategies():
-        for policy in ("none", "dots", "full"):
+        for policy in POLICIES:  # the least recomputation first
             for accum in (k for k in range(cfg.train.grad_accum, b + 1) if b % k == 0):
                 c = _with(cfg, strategy, policy, accum)
                 if consider(c, devices, state, f" ({REMAT_NOTES[policy]})" if policy in REMAT_NOTES else ""):
