@@ -179,13 +179,16 @@ def check_memory(cfg: Config, derived: Derived, mesh: jax.sharding.Mesh, pool: P
 def refusal(cfg: Config, derived: Derived, pool: Pool, platform: str) -> str | None:
     """The message refusing the run on `pool`, with what would fit; None when it fits."""
     strategy, fused = cfg.parallel.strategy, plan.fused_attention(cfg, platform)
+    frees = plan.recomputes_activations(platform)
     state = plan.abstract_state(cfg)
-    m = plan.device_memory(cfg, derived.n_devices, derived.micro_batch, fused, state=state)
+    m = plan.device_memory(cfg, derived.n_devices, derived.micro_batch, fused, state=state, frees=frees)
     need = pool.need(m)
     if need <= pool.available:
         return None
     parts = [("parameters", m.params), ("gradients", m.grads), ("gradient accumulator", m.accumulator),
              ("optimizer state", m.opt_state), ("activations", m.activations)]  # fmt: skip
+    if m.in_flight > m.activations:  # the end of backward is the step's peak
+        parts[-1] = ("a gradient bucket being reduced (more than the activations)", m.in_flight)
     held = ", ".join(f"{name} {_gb(nbytes)}" for name, nbytes in parts if nbytes)
     together = f", {pool.amount(need)}," if pool.shared and pool.devices > 1 else ""
     who = f"{strategy}'s master device" if strategies.get(strategy).master else "each device"
@@ -195,7 +198,7 @@ def refusal(cfg: Config, derived: Derived, pool: Pool, platform: str) -> str | N
         f"{cfg.data.seq_len} tokens; `jdp plan` shows the same numbers){together} and {_gb(pool.available)} is "
         f"{pool.source}. Nothing was allocated."
     ]
-    if fits := suggestions(cfg, derived, pool, m, fused, state):
+    if fits := suggestions(cfg, derived, pool, m, fused, state, frees):
         lines += ["What would fit:", *(f"  {s}" for s in fits)]
     else:
         state_only = pool.need(m.with_activations(0))
@@ -207,10 +210,13 @@ def refusal(cfg: Config, derived: Derived, pool: Pool, platform: str) -> str | N
     return "\n  ".join(lines)
 
 
-def suggestions(cfg: Config, derived: Derived, pool: Pool, m: plan.Memory, fused: bool, state: tuple) -> list[str]:
+def suggestions(
+    cfg: Config, derived: Derived, pool: Pool, m: plan.Memory, fused: bool, state: tuple, frees: bool = True
+) -> list[str]:
     """Each change the plan says would fit a run that holds `m` per device, with its bytes: more of JAX's share of
-    a GPU, another strategy (zero1's slice of the optimizer state; ddp for dp), the largest global batch, the
-    fewest micro-batches; these with zero1 when none fits alone."""
+    a GPU, another strategy (zero1's slice of the optimizer state; ddp for dp), the least recomputation, the largest
+    global batch, the fewest micro-batches; these with zero1 when none fits alone. frees: whether recomputation
+    frees memory here (plan.recomputes_activations): where it does not, none is suggested."""
     n, p = derived.n_devices, cfg.parallel
     out = []
     if pool.larger is not None and pool.need(m) <= pool.larger:
@@ -220,32 +226,36 @@ def suggestions(cfg: Config, derived: Derived, pool: Pool, m: plan.Memory, fused
         )
     others = strategies.get(p.strategy).instead if n > 1 else ()
     for other in others:
-        alt = plan.device_memory(cfg, n, derived.micro_batch, fused, other, state)
+        alt = plan.device_memory(cfg, n, derived.micro_batch, fused, other, state, frees=frees)
         if (need := pool.need(alt)) <= pool.available:
             hooks = strategies.get(other).comm_hooks
             compression = " parallel.compression=none" if not hooks and p.compression != "none" else ""
             why = strategies.get(other).saves.format(n=n, opt=_gb(alt.opt_state))
             out.append(f"parallel.strategy={other}{compression} ({why}): {pool.amount(need)}")
     policies = tuple(POLICIES)  # from the least recomputation to the most
-    stronger = policies[policies.index(cfg.model.remat) + 1 :]
+    stronger = policies[policies.index(cfg.model.remat) + 1 :] if frees else ()
     for policy in stronger:  # the least recomputation that fits (model.remat: parallel/remat.py)
         c = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=policy, remat_every=1))
-        if (need := pool.need(plan.device_memory(c, n, derived.micro_batch, fused, state=state))) <= pool.available:
+        if (
+            need := pool.need(plan.device_memory(c, n, derived.micro_batch, fused, state=state, frees=frees))
+        ) <= pool.available:
             out.append(f"model.remat={policy} ({plan.REMAT_NOTES[policy]} in backward): {pool.amount(need)}")
             break
-    out += _batch_changes(cfg, derived, pool, fused, state, p.strategy, "")
+    out += _batch_changes(cfg, derived, pool, fused, state, p.strategy, "", frees)
     if not out:  # none fits alone: a smaller batch with the optimizer state split, and recomputing every block
         full = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="full", remat_every=1))
         for c, remat in ((cfg, ""), *(((full, "model.remat=full "),) if stronger else ())):
             for other in (o for o in others if strategies.get(o).split_optimizer):
-                out += _batch_changes(c, derived, pool, fused, state, other, f"{remat}parallel.strategy={other} ")
+                out += _batch_changes(
+                    c, derived, pool, fused, state, other, f"{remat}parallel.strategy={other} ", frees
+                )
             if out:
                 break
     return out
 
 
 def _batch_changes(
-    cfg: Config, derived: Derived, pool: Pool, fused: bool, state: tuple, strategy: str, prefix: str
+    cfg: Config, derived: Derived, pool: Pool, fused: bool, state: tuple, strategy: str, prefix: str, frees: bool
 ) -> list[str]:
     """The largest train.batch_size, and the fewest train.grad_accum micro-batches at today's batch, that fit
     under `strategy`."""
@@ -254,8 +264,8 @@ def _batch_changes(
 
     def need(micro: int, accum: int) -> int:
         if accum not in held:
-            held[accum] = plan.held_bytes(cfg, strategy, n, state, accum)
-        return pool.need(held[accum].with_activations(plan.activation_bytes(cfg, micro, fused)))
+            held[accum] = plan.held_bytes(cfg, strategy, n, state, accum, frees)
+        return pool.need(held[accum].with_activations(plan.activation_bytes(cfg, micro, fused, strategy, frees)))
 
     out = []
     # Activations grow with the micro-batch: the first that fits, counting down, is the largest.

@@ -109,15 +109,31 @@ def planned_strategies() -> list[str]:
     return [name for name, s in strategies.REGISTRY.items() if s.planned]
 
 
-def held_bytes(cfg: Config, strategy: str, n: int, state: tuple | None = None, grad_accum: int | None = None) -> Memory:
+def held_bytes(
+    cfg: Config, strategy: str, n: int, state: tuple | None = None, grad_accum: int | None = None, frees: bool = True
+) -> Memory:
     """The parameters, gradients, accumulator and optimizer state one device holds under `strategy` on n devices
     (no activations), as the strategy's module counts them (its state_bytes). `state`: an abstract_state(cfg)
-    already traced; `grad_accum`: default the config's."""
+    already traced; `grad_accum`: default the config's; frees=False (recomputes_activations): a block's gathered
+    parameters stay until its backward, resharding or not."""
     _, params, _, opt_state = state or abstract_state(cfg)
     optimizer, _ = make_optimizer(cfg.optim, cfg.train.steps)
     accum = cfg.train.grad_accum if grad_accum is None else grad_accum
     s = strategies.get(strategy)
-    return s.costs().state_bytes(params, opt_state, optimizer, n, accum, **s.options_of(cfg.parallel))
+    options = s.options_of(cfg.parallel)
+    if not frees and "reshard_after_forward" in options:
+        options["reshard_after_forward"] = False
+    return s.costs().state_bytes(params, opt_state, optimizer, n, accum, bucket=largest_bucket(cfg, params), **options)
+
+
+def largest_bucket(cfg: Config, params) -> int:
+    """The bytes of the largest gradient bucket (parallel.bucket_mb, in parallel.reduce_dtype), without tracing the
+    model as bucket_plan does: a bucket holds up to bucket_mb, or one leaf larger than that, and never more than
+    every gradient."""
+    size = jnp.dtype(cfg.parallel.reduce_dtype).itemsize
+    leaves = [math.prod(x.shape) * size for x in jax.tree.leaves(params)]
+    limit = cfg.parallel.bucket_mb * 2**20 if cfg.parallel.bucket_mb > 0 else sum(leaves)
+    return int(min(sum(leaves), max(limit, max(leaves, default=0))))
 
 
 def opt_bytes_per_device(cfg: Config, strategy: str, n: int, state: tuple | None = None) -> int:
@@ -125,7 +141,9 @@ def opt_bytes_per_device(cfg: Config, strategy: str, n: int, state: tuple | None
     return held_bytes(cfg, strategy, n, state).opt_state
 
 
-def activation_bytes(cfg: Config, micro_batch: int, fused_attention: bool) -> int:
+def activation_bytes(
+    cfg: Config, micro_batch: int, fused_attention: bool, strategy: str | None = None, frees: bool = True
+) -> int:
     """Estimated bytes alive at the start of backward for one micro-batch: what backward needs from forward (in
     the style of Korthikanti et al. 2022, "Reducing Activation Recomputation", counted for this model as XLA
     keeps it; tests/test_plan.py compares it with XLA:CPU's compiled float32 programs).
@@ -136,24 +154,49 @@ def activation_bytes(cfg: Config, micro_batch: int, fused_attention: bool) -> in
     Outside the blocks: the embedding output and the final norm (3 ND), and the float32 logits and their
     exponentials for the loss (2 N V). No dropout.
 
-    Recomputation (model.remat, jdp/parallel/remat.py): a recomputed block keeps its input only (full) or its
-    input and projections' outputs (dots: the family's projection_bytes); the peak is then the start of backward or
-    the recomputation of a block (its whole activations, beside what the blocks below it keep), whichever is more.
+    Recomputation (model.remat, jdp/parallel/remat.py, or the policy `strategy`'s blocks run under: block_policy):
+    a recomputed block keeps its input only (full), its input and projections' outputs (dots: the family's
+    projection_bytes), or those and attention's two products as well (saved_dots: fsdp's resharded blocks; a fused
+    attention is no matrix product, so it is recomputed); the peak is then the start of backward or the
+    recomputation of a block (its whole activations, beside what the blocks below it keep), whichever is more.
+    frees=False: the compiled step keeps every block's activations anyway (recomputes_activations: XLA:CPU of JAX
+    0.10).
     """
     m, L = cfg.model, cfg.data.seq_len
     N, D = micro_batch * L, m.d_model
     s = jnp.dtype(m.dtype).itemsize
     f32 = 4
-    softmax = micro_batch * m.n_heads * (L if fused_attention else 2 * attention_scores(L)) * f32
+    scores = micro_batch * m.n_heads * (0 if fused_attention else attention_scores(L)) * f32
+    softmax = micro_batch * m.n_heads * L * f32 if fused_attention else 2 * scores
     block = models.get(m.arch).block_activation_bytes(m, N, s) + softmax
     outside = 3 * N * D * s + 2 * N * m.vocab_size * f32
     remat = Remat.of(m)
-    if remat.policy == "none":
+    policy = block_policy(cfg, strategy) if frees else "none"
+    if policy == "none":
         return m.n_layers * block + outside
-    kept = N * D * s if remat.policy == "full" else models.projection_bytes(m, N, s)
+    if policy == "saved_dots":  # every block, whatever model.remat_every says
+        remat = Remat("full")
+    kept = {"full": N * D * s, "dots": models.projection_bytes(m, N, s)}.get(policy)
+    if kept is None:  # saved_dots: also attention's q k^T and its product with v, where they are matrix products
+        kept = models.projection_bytes(m, N, s) + (0 if fused_attention else scores + N * D * s)
     held = [kept if remat.recomputes(i) else block for i in range(m.n_layers)]
     # the start of backward (every block's part), or a recomputed block j whole, the blocks below it as kept
     return max([sum(held), *(sum(held[:j]) + block for j in range(m.n_layers) if remat.recomputes(j))]) + outside
+
+
+def block_policy(cfg: Config, strategy: str | None = None) -> str:
+    """The recomputation policy the model's blocks run under with `strategy` (default: the config's): model.remat,
+    unless the strategy's module says otherwise (its block_policy: fsdp's resharded blocks keep every matrix
+    product's output under model.remat=none, "saved_dots")."""
+    s = strategies.get(strategy or cfg.parallel.strategy)
+    own = getattr(s.costs(), "block_policy", None) if s.planned else None
+    return own(cfg.model.remat, **s.options_of(cfg.parallel)) if own else cfg.model.remat
+
+
+def recomputes_activations(platform: str) -> bool:
+    """Whether a recomputed block's activations are freed in the compiled step: not by XLA:CPU of JAX 0.10
+    (measured: the same temporaries with model.remat=full as without; docs/performance.md), by every other."""
+    return platform != "cpu" or jax.__version_info__ >= (0, 11)
 
 
 def fused_attention(cfg: Config, platform: str = "gpu") -> bool:
@@ -170,12 +213,15 @@ def device_memory(
     strategy: str | None = None,
     state: tuple | None = None,
     grad_accum: int | None = None,
+    frees: bool = True,
 ) -> Memory:
     """What one device holds during a step of `strategy` (default: the config's) on `devices` devices, the
     fullest one (dp: the master; `others` then says what the rest hold). `state`: an abstract_state(cfg) already
-    traced; `grad_accum`: default the config's."""
-    held = held_bytes(cfg, strategy or cfg.parallel.strategy, devices, state, grad_accum)
-    return held.with_activations(activation_bytes(cfg, micro_batch, fused))
+    traced; `grad_accum`: default the config's; frees: whether recomputation frees memory
+    (recomputes_activations)."""
+    strategy = strategy or cfg.parallel.strategy
+    held = held_bytes(cfg, strategy, devices, state, grad_accum, frees)
+    return held.with_activations(activation_bytes(cfg, micro_batch, fused, strategy, frees))
 
 
 def fit_note(total: int, gpu_name: str) -> str:
@@ -693,6 +739,12 @@ def format_plan(plan: Plan, cfg: Config) -> str:
         f"  optimizer state   {cfg.optim.name:<9} {_size(m.opt_state):>10}   exact, from optimizer.init's shapes{split}",
         f"  activations       {cfg.model.dtype:<9} {_size(m.activations):>10}   estimate for one micro-batch of "
         f"{micro} x {L} tokens, {attention}",
+        *(
+            [f"  bucket in flight  {cfg.parallel.reduce_dtype:<9} {_size(m.in_flight):>10}   at the end of backward, "
+             f"when the activations are gone: the larger of the two counts"]
+            if m.in_flight
+            else []
+        ),  # fmt: skip
         f"  total                       {_size(m.total):>10}   {fit_note(m.total, plan.gpu)}",
         "",
         f"step on {plan.devices} x {plan.gpu}: MFU {plan.mfu:.1%} {plan.mfu_source}",
@@ -713,7 +765,7 @@ def format_plan(plan: Plan, cfg: Config) -> str:
         lines.append(
             f"smallest per-device batch that keeps {plan.devices} x {plan.gpu} compute-bound (exposed all-reduce "
             f"<= {COMPUTE_BOUND:.0%} of the step; multiples of train.grad_accum={ga}): {b} sequences; memory "
-            f"{fit_note(m.total - m.activations + act, plan.gpu)}"
+            f"{fit_note(m.with_activations(act).total, plan.gpu)}"
         )
     lines += [
         "",

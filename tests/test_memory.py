@@ -111,16 +111,16 @@ def test_what_would_fit_is_computed():
     smaller = _one_gpu(zero1.total - 1)  # zero1 alone no longer fits: not suggested
     text = memory.refusal(cfg, derived, smaller, "cpu")
     assert "parallel.strategy=zero1 (" not in text and "train.batch_size=" in text
-    fixed = ddp.total - ddp.activations
+    fixed = ddp.with_activations(0).total  # the state, and the bucket in flight at the end of backward
     # ddp's state alone fills the device: fsdp, which splits it, is what would fit (with a smaller batch here)
     split = memory.refusal(cfg, derived, _one_gpu(fixed), "cpu")
     assert "What would fit" in split and "parallel.strategy=fsdp" in split
     fsdp = plan.device_memory(cfg, 4, 8, False, "fsdp", state)
-    hopeless = memory.refusal(cfg, derived, _one_gpu(fsdp.total - fsdp.activations), "cpu")  # fsdp's state too
+    hopeless = memory.refusal(cfg, derived, _one_gpu(fsdp.with_activations(0).total), "cpu")  # fsdp's state too
     assert "What would fit" not in hopeless and f"alone need {memory._gb(fixed)}" in hopeless
     assert memory.refusal(cfg, derived, _one_gpu(ddp.total), "cpu") is None
     # Neither zero1 nor a smaller batch alone: the two together, one sequence per device.
-    both = _one_gpu(zero1.total - zero1.activations + plan.activation_bytes(cfg, 1, False))
+    both = _one_gpu(zero1.with_activations(plan.activation_bytes(cfg, 1, False)).total)
     text = memory.refusal(cfg, derived, both, "cpu")
     assert "parallel.strategy=zero1 train.batch_size=4 (1 sequence(s) per device" in text
     assert _fits(["parallel.strategy=zero1", "train.batch_size=4"], both) and not _fits(["train.batch_size=4"], both)

@@ -185,3 +185,25 @@ def test_all_reduce_parser_sees_reduction_inside_a_loop():
     x = jax.device_put(np.ones((3, 8), np.float32), jax.sharding.NamedSharding(mesh, P(None, "data")))
     reduces = all_reduces(compiled_text(f, x))
     assert reduces and all(r.in_loop for r in reduces)
+
+
+@pytest.mark.parametrize("strategy, whole", [("ddp", 2.0), ("zero1", 1.5)])
+def test_the_compiled_step_updates_the_optimizer_state_in_place(strategy, whole):
+    """A model whose state outweighs its activations (6 x 256, 32 tokens a row): the compiled step's temporaries are
+    its gradients and the bucket being reduced (ddp: both whole, 2 x the parameter bytes; zero1: the gradients
+    and the scattered slices, 1.5 x on 4 devices) beside the activations, and no copy of AdamW's moments. A
+    jnp.where of the new optimizer state and the old (the skip guard as it was) made XLA copy both moments at the
+    start of the step: 3.44 x under ddp, 2.34 x under zero1 (JAX 0.12, XLA:CPU)."""
+    from jdp import plan
+    from jdp.build import batch_spec, build
+    from jdp.config import load_config
+
+    cfg = load_config("tiny", ["model.n_layers=6", "model.d_model=256", "data.seq_len=32", "model.max_seq_len=32",
+                               "train.batch_size=8", f"parallel.strategy={strategy}"])  # fmt: skip
+    mesh = parallel.make_mesh(jax.devices()[:4])
+    b = build(cfg, mesh)
+    temp = b.train_step.lower(b.state, batch_spec(cfg, mesh)).compile().memory_analysis().temp_size_in_bytes
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(b.state.params))
+    activations = plan.activation_bytes(cfg, 2, fused_attention=False)
+    print(f"{strategy}: temporaries {temp / param_bytes:.2f} x the parameter bytes, activations {activations:,}")
+    assert temp <= whole * param_bytes + activations, (temp, param_bytes, activations)

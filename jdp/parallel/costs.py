@@ -51,10 +51,13 @@ class Memory:
     activations: int = 0  # estimate (plan.activation_bytes): the same for every strategy
     others: Memory | None = None
     opt_note: str = ""  # how this device holds the optimizer state, for the printout ("this device's 1/8")
+    # At the end of backward, beside every gradient: the bucket being reduced (ddp: its concatenation; zero1: the
+    # slices scattered and gathered). The activations are gone by then, so the larger of the two counts.
+    in_flight: int = 0
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.accumulator + self.opt_state + self.activations
+        return self.params + self.grads + self.accumulator + self.opt_state + max(self.activations, self.in_flight)
 
     def with_activations(self, nbytes: int) -> Memory:
         others = self.others.with_activations(nbytes) if self.others else None
@@ -62,7 +65,7 @@ class Memory:
 
     def to_dict(self) -> dict:
         """The bytes and their total (what `jdp plan --json` prints)."""
-        fields = ("params", "grads", "accumulator", "opt_state", "activations")
+        fields = ("params", "grads", "accumulator", "opt_state", "activations", "in_flight")
         return {**{k: getattr(self, k) for k in fields}, "total": self.total}
 
 

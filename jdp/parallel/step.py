@@ -407,17 +407,20 @@ def apply_update(optimizer, schedule, step, params, opt_state, grads, loss, weig
     """optax's update and the skip guard: (new params, new optimizer state, metrics). Under zero1 the arrays are
     the flat views (OptLayout), split over the devices; the norm is still the whole gradient's."""
     grad_norm = optax.tree.norm(grads)
-    updates, new_opt_state = optimizer.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
     # A non-finite loss or gradient skips the update (as PyTorch's GradScaler does). These values come after
     # the all-reduce, so every replica takes the same decision; the batch still counts as consumed (state.step
-    # advances). Known before the update, the choice fuses into it. The new parameters are not checked here:
-    # that would cost one more pass over parameters and optimizer state every step (docs/performance.md); the
-    # loop checks them before every checkpoint instead (nonfinite_leaves).
+    # advances). A lax.cond, not a jnp.where of the new state and the old: to keep the old values for a where,
+    # XLA copies the whole optimizer state at the start of the step (measured on XLA:CPU: AdamW's two moments,
+    # twice the parameters' bytes, alive through forward and backward); the cond updates it in place. The new
+    # parameters are not checked here: that would cost one more pass over parameters and optimizer state every
+    # step (docs/performance.md); the loop checks them before every checkpoint instead (nonfinite_leaves).
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    new_params, new_opt_state = jax.tree.map(
-        lambda new, old: jnp.where(ok, new, old), (new_params, new_opt_state), (params, opt_state)
-    )
+
+    def updated(params, opt_state):
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_opt_state
+
+    new_params, new_opt_state = jax.lax.cond(ok, updated, lambda p, o: (p, o), params, opt_state)
     metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": weight, "skipped": 1 - ok.astype(jnp.int32)}
     if schedule is not None:
         metrics["lr"] = jnp.asarray(schedule(step), jnp.float32)

@@ -30,11 +30,15 @@ def opt_shardings(shapes, mesh: jax.sharding.Mesh):
     return layout(mesh).shardings(shapes, mesh)
 
 
-def state_bytes(params, opt_state, optimizer: optax.GradientTransformation, n: int, grad_accum: int) -> Memory:
+def state_bytes(
+    params, opt_state, optimizer: optax.GradientTransformation, n: int, grad_accum: int, bucket: int = 0
+) -> Memory:
     """What each device holds (shapes only): the parameters, their gradients (and their running sum with
-    grad_accum > 1), the whole optimizer state."""
+    grad_accum > 1), the whole optimizer state; at the end of backward a bucket of `bucket` bytes concatenated for
+    its all-reduce beside the gradients (with grad_accum > 1 the micro-batch's gradients are gone by then)."""
     p = tree_bytes(params)
-    return Memory(params=p, grads=p, accumulator=p if grad_accum > 1 else 0, opt_state=tree_bytes(opt_state))
+    in_flight = bucket if grad_accum == 1 else 0
+    return Memory(p, p, p if grad_accum > 1 else 0, tree_bytes(opt_state), in_flight=in_flight)
 
 
 def traffic(buckets: Buckets, n: int, grad_accum: int) -> Traffic:

@@ -29,7 +29,7 @@ def opt_shardings(shapes, mesh: jax.sharding.Mesh):
     return jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(master_device(mesh)), shapes)
 
 
-def state_bytes(params, opt_state, optimizer: optax.GradientTransformation, n: int, grad_accum: int) -> Memory:
+def state_bytes(params, opt_state, optimizer: optax.GradientTransformation, n: int, grad_accum: int, **_) -> Memory:
     """What the master holds: every device's gradients, gathered, and the only optimizer state; each other device
     its parameters and its own gradients. (No `traffic`: the planner models collectives, and dp has none.)"""
     p = tree_bytes(params)

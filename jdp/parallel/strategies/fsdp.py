@@ -34,7 +34,7 @@ from jdp.parallel.mesh import REPLICA, Batch, batch_axes, replicated, shard_axis
 from jdp.parallel.step import LossFn, OptLayout, TrainState, apply_update, keep_if, local_sums, param_names
 
 __all__ = [
-    "LAYOUT", "Rows", "Units", "layout", "make_eval_step", "make_train_step", "opt_shardings", "report_units",
+    "LAYOUT", "Rows", "Units", "block_policy", "layout", "make_eval_step", "make_train_step", "opt_shardings", "report_units",
     "state_bytes", "traffic",
 ]  # fmt: skip
 
@@ -134,6 +134,7 @@ def state_bytes(
     params, opt_state, optimizer: optax.GradientTransformation, n: int, grad_accum: int,
     reshard_after_forward: bool = True, accumulate_unsharded: bool = False, **_,
 ) -> Memory:  # fmt: skip
+    # (its buckets are its units, counted here: `bucket`, ddp's and zero1's, is not)
     """1/n of the (padded) parameters, their gradients and optimizer state, plus the largest unit's parameters and
     gradients gathered whole (one block at a time; two with prefetch, which XLA's scheduler may do); without
     resharding every block's gathered parameters stay until backward; accumulating unsharded (grad_accum > 1), the
@@ -146,6 +147,12 @@ def state_bytes(
     gathered = 2 * unit if reshard_after_forward else tree_bytes(params)
     accumulator = (tree_bytes(params) if accumulate_unsharded else p) if grad_accum > 1 else 0
     return Memory(p + gathered, p + unit, accumulator, opt, opt_note=f"this device's 1/{n}")
+
+
+def block_policy(remat: str, reshard_after_forward: bool = True, **_) -> str:
+    """The recomputation policy its blocks run under (plan.activation_bytes's names): model.remat's, or under
+    model.remat=none with resharding, "saved_dots" (remat.RESHARD: every matrix product's output kept)."""
+    return "saved_dots" if remat == "none" and reshard_after_forward else remat
 
 
 def traffic(

@@ -19,6 +19,7 @@ from jdp.parallel.strategies import fsdp
 
 __all__ = [
     "LAYOUT",
+    "block_policy",
     "layout",
     "make_eval_step",
     "make_train_step",
@@ -32,6 +33,7 @@ LAYOUT, layout = fsdp.LAYOUT, fsdp.layout
 opt_shardings = fsdp.opt_shardings
 make_eval_step = fsdp.make_eval_step
 report_units = fsdp.report_units
+block_policy = fsdp.block_policy
 
 
 def _check_mesh(mesh: jax.sharding.Mesh, shard_size: int) -> None:
@@ -79,7 +81,7 @@ def _group(n: int, shard_size: int) -> int:
 
 def state_bytes(
     params, opt_state, optimizer: optax.GradientTransformation, n: int, grad_accum: int,
-    reshard_after_forward: bool = True, accumulate_unsharded: bool = False, shard_size: int = 0,
+    reshard_after_forward: bool = True, accumulate_unsharded: bool = False, shard_size: int = 0, **_,
 ) -> Memory:  # fmt: skip
     """fsdp's bytes with the state split over a group of shard_size devices instead of all n (not set: a node of
     8, where n allows)."""

@@ -74,14 +74,18 @@ def opt_shardings(shapes, mesh: jax.sharding.Mesh):
     return layout(mesh).shardings(shapes, mesh)
 
 
-def state_bytes(params, opt_state, optimizer: optax.GradientTransformation, n: int, grad_accum: int) -> Memory:
+def state_bytes(
+    params, opt_state, optimizer: optax.GradientTransformation, n: int, grad_accum: int, bucket: int = 0
+) -> Memory:
     """ddp's, but of the optimizer state each device holds its slice of every leaf (padded to a multiple of n,
-    exactly what layout places) and the scalars whole."""
+    exactly what layout places) and the scalars whole; in flight at the end of backward, a bucket's scattered slice
+    and its updated slice (2/n of it)."""
     p = tree_bytes(params)
     shapes = Slices(n).shapes(optimizer, params)
     split = [x for x in jax.tree.leaves(shapes) if x.ndim >= 1 and x.shape[-1] % n == 0]
     opt = tree_bytes(shapes) - tree_bytes(split) + tree_bytes(split) // n
-    return Memory(p, p, p if grad_accum > 1 else 0, opt, opt_note=f"this device's 1/{n}")
+    in_flight = 2 * bucket // n if grad_accum == 1 else 0
+    return Memory(p, p, p if grad_accum > 1 else 0, opt, opt_note=f"this device's 1/{n}", in_flight=in_flight)
 
 
 def traffic(buckets: Buckets, n: int, grad_accum: int) -> Traffic:
