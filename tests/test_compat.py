@@ -3,7 +3,9 @@
 tests/data/run-before-redesign/ was written by main before the model families moved into jdp/models/ (commit
 b30014c): a GPT trained 8 steps on its own small corpus with checkpoints at 4 and 8; the step-8 checkpoint, the
 summary and the metrics after step 4 were then removed. expected.json holds that uninterrupted run's losses and its
-final parameters' digest. Resuming from step 4 here must give the same, to the bit.
+final parameters' digest. Resuming from step 4 here must give the same, to the bit. Pinned again once, where a change
+moved the update's arithmetic on purpose (issue 44: the in-place update moved the parameters in the last bit, the
+training losses stayed equal; expected.json's "repinned" says what moved and keeps the old numbers).
 """
 
 import json
