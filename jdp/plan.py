@@ -174,11 +174,13 @@ def activation_bytes(
     policy = block_policy(cfg, strategy) if frees else "none"
     if policy == "none":
         return m.n_layers * block + outside
-    if policy == "saved_dots":  # every block, whatever model.remat_every says
-        remat = Remat("full")
-    kept = {"full": N * D * s, "dots": models.projection_bytes(m, N, s)}.get(policy)
-    if kept is None:  # saved_dots: also attention's q k^T and its product with v, where they are matrix products
+    if policy == "full":
+        kept = N * D * s
+    elif policy == "dots":
+        kept = models.projection_bytes(m, N, s)
+    else:  # saved_dots, every block whatever model.remat_every says: attention's q k^T and its product with v too
         kept = models.projection_bytes(m, N, s) + (0 if fused_attention else scores + N * D * s)
+        remat = Remat("full")
     held = [kept if remat.recomputes(i) else block for i in range(m.n_layers)]
     # the start of backward (every block's part), or a recomputed block j whole, the blocks below it as kept
     return max([sum(held), *(sum(held[:j]) + block for j in range(m.n_layers) if remat.recomputes(j))]) + outside

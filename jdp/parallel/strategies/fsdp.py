@@ -134,11 +134,10 @@ def state_bytes(
     params, opt_state, optimizer: optax.GradientTransformation, n: int, grad_accum: int,
     reshard_after_forward: bool = True, accumulate_unsharded: bool = False, **_,
 ) -> Memory:  # fmt: skip
-    # (its buckets are its units, counted here: `bucket`, ddp's and zero1's, is not)
     """1/n of the (padded) parameters, their gradients and optimizer state, plus the largest unit's parameters and
     gradients gathered whole (one block at a time; two with prefetch, which XLA's scheduler may do); without
     resharding every block's gathered parameters stay until backward; accumulating unsharded (grad_accum > 1), the
-    running sum is every gradient whole."""
+    running sum is every gradient whole. Its buckets are its units, counted here (ddp's `bucket` is not used)."""
     lay = Rows(n)
     padded = jax.tree.map(lambda x: jax.ShapeDtypeStruct(lay.shape(x), x.dtype), params)
     p = tree_bytes(padded) // n
