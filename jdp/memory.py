@@ -187,7 +187,12 @@ def refusal(cfg: Config, derived: Derived, pool: Pool, platform: str) -> str | N
         return None
     parts = [("parameters", m.params), ("gradients", m.grads), ("gradient accumulator", m.accumulator),
              ("optimizer state", m.opt_state), ("activations", m.activations)]  # fmt: skip
-    if m.in_flight > m.activations:  # the end of backward is the step's peak
+    if m.late_grads:  # made as backward frees the activations: they count against them
+        parts[1] = ("gradients", 0)
+        if m.end_of_backward > m.activations:
+            parts[-1] = ("the gradients and a unit's whole gradients being reduced (more than the activations)",
+                         m.end_of_backward)  # fmt: skip
+    elif m.in_flight > m.activations:  # the end of backward is the step's peak
         parts[-1] = ("a gradient bucket being reduced (more than the activations)", m.in_flight)
     held = ", ".join(f"{name} {_gb(nbytes)}" for name, nbytes in parts if nbytes)
     together = f", {pool.amount(need)}," if pool.shared and pool.devices > 1 else ""

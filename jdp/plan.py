@@ -730,7 +730,9 @@ def format_plan(plan: Plan, cfg: Config) -> str:
         "",
         f"memory per device ({plan.gpu}: {gpu.memory_gb:g} GB)",
         f"  parameters        {pdtype:<9} {_size(m.params):>10}   exact, from the model's shapes",
-        f"  gradients         {pdtype:<9} {_size(m.grads):>10}   exact",
+        f"  gradients         {pdtype:<9} {_size(m.grads):>10}   exact"
+        + (", made as backward frees the activations: with the unit below they count against them" if m.late_grads
+           else ""),
     ]
     if m.accumulator:
         lines.append(
@@ -743,7 +745,8 @@ def format_plan(plan: Plan, cfg: Config) -> str:
         f"{micro} x {L} tokens, {attention}",
         *(
             [f"  bucket in flight  {cfg.parallel.reduce_dtype:<9} {_size(m.in_flight):>10}   at the end of backward, "
-             f"when the activations are gone: the larger of the two counts"]
+             f"when the activations are gone: the larger of the two counts"
+             + (" (a unit's gradients whole, before their reduce-scatter)" if m.late_grads else "")]
             if m.in_flight
             else []
         ),  # fmt: skip

@@ -139,9 +139,10 @@ def _held(n_layers, strategy, **options):
 def test_the_compiled_step_holds_about_one_block_gathered_at_a_time():
     """From XLA's memory analysis of the compiled step (arguments and temporaries), per added layer: ddp's grow by
     the layer's parameters, AdamW's two moments, its gradient (4 blocks) and its activations; fsdp's (resharding)
-    by 1/4 of the state, the activations, and about one block whole besides (its gathered parameters or its
-    gradient before the reduce-scatter; measured 1.03 blocks, JAX 0.11 and 0.12); on JAX 0.10 the gathered
-    parameters stay until backward as well (1.95 blocks), as without resharding."""
+    by 1/4 of the state and the matrix products' outputs it keeps, and by no block whole: each block's gather waits
+    for the block before it to start (measured 1.18 blocks a layer on JAX 0.11 and 0.12; 2.75 when XLA:CPU
+    started every gather at the top of the step). On JAX 0.10 the gathered parameters stay until backward as well
+    (3.67 blocks, 1.95 of them whole), as without resharding."""
     n = 4
     (ddp2, block), (ddp4, _) = _held(2, "ddp"), _held(4, "ddp")
     (fsdp2, _), (fsdp4, _) = _held(2, "fsdp"), _held(4, "fsdp")
@@ -151,7 +152,7 @@ def test_the_compiled_step_holds_about_one_block_gathered_at_a_time():
     kept4, _ = _held(4, "fsdp", reshard_after_forward=False)
     print(f"per layer: ddp {per_layer_ddp / block:.2f} blocks, fsdp {per_layer_fsdp / block:.2f}, whole {whole:.2f}")
     if jax.__version_info__ >= (0, 11):
-        assert whole <= 1.25, (per_layer_ddp, per_layer_fsdp, block)
+        assert per_layer_fsdp <= 1.5 * block, (per_layer_ddp, per_layer_fsdp, block)
         assert kept4 > fsdp4 + 2 * block  # keeping the gathered parameters for backward (ZeRO-2-like) holds more
     else:  # JAX 0.10's compiled step keeps each block's gathered parameters for backward even when resharding
         assert whole <= 2.25, (per_layer_ddp, per_layer_fsdp, block)

@@ -129,12 +129,11 @@ def compiled_per_device(cfg, n: int) -> int:
 def test_the_plan_matches_the_compiled_step_per_device(shape):
     """The memory check's bytes per device (plan.device_memory, as on this platform and JAX version:
     recomputes_activations) against the compiled step's, for every planned strategy, with and without
-    recomputation and grad_accum (where the state dominates, plain only: the activations hardly count); the
-    strategies ranked by memory as the compiled steps rank them where the activations dominate. The bounds are
-    what the planner reaches on XLA:CPU (JAX 0.10, 0.11, 0.12; the table is printed and in docs/planning.md):
-    ddp and zero1 within 12% without recomputation (a bucket in flight at the end of backward counted), 30% with
-    it; fsdp and hsdp within 45%: XLA:CPU's schedule keeps about one block whole per layer (tests/test_fsdp.py),
-    where the planner counts one unit gathered, and their saved_dots activations are overcounted."""
+    recomputation and grad_accum (where the state dominates, plain only: the activations hardly count), within 10%
+    (the table is printed and in docs/planning.md); zero1 with model.remat=full within 20% (the compiled peak is
+    the last block's recomputation with most gradients made, where the plan adds every gradient to the recomputed
+    block: +19% on JAX 0.11 and 0.12). Strategies whose compiled totals are more than 15% apart rank the same in
+    the plan."""
     n, frees = 4, plan.recomputes_activations("cpu")
     errors, totals = {}, {}
     for variant, extra in VARIANTS.items() if shape == "activations" else [("plain", [])]:
@@ -148,12 +147,14 @@ def test_the_plan_matches_the_compiled_step_per_device(shape):
             print(f"{shape} {variant:12} {strategy:6} compiled {compiled / 1e6:7.2f} MB, planned {planned / 1e6:7.2f} "
                   f"MB ({errors[variant, strategy]:+.1%})")  # fmt: skip
     for (variant, strategy), error in errors.items():
-        gathered = hasattr(strategies.get(strategy).costs(), "block_policy")  # its blocks gathered: fsdp, hsdp
-        bound = 0.45 if gathered else 0.30 if variant.startswith("remat") else 0.12
+        bound = 0.20 if (variant, strategy) == ("remat=full", "zero1") else 0.10
         assert abs(error) <= bound, (shape, variant, strategy, f"{error:+.1%}")
-    if shape == "activations" and frees:  # JAX 0.10: fsdp's gathered blocks kept, the rankings differ (docs)
-        for variant, by in totals.items():
-            assert sorted(by, key=lambda s: by[s][0]) == sorted(by, key=lambda s: by[s][1]), (variant, by)
+    for variant, by in totals.items():
+        for a in by:
+            for b in by:
+                (plan_a, compiled_a), (plan_b, compiled_b) = by[a], by[b]
+                if compiled_a > 1.15 * compiled_b:
+                    assert plan_a > plan_b, (variant, a, b, by)
 
 
 def test_fused_attention_drops_the_quadratic_term():

@@ -54,10 +54,20 @@ class Memory:
     # At the end of backward, beside every gradient: the bucket being reduced (ddp: its concatenation; zero1: the
     # slices scattered and gathered). The activations are gone by then, so the larger of the two counts.
     in_flight: int = 0
+    # The gradients are made as backward frees the activations (fsdp's reduce-scattered shards: none exist at the
+    # start of backward), so they too count against the activations, at the end of backward, not beside them.
+    late_grads: bool = False
+
+    @property
+    def end_of_backward(self) -> int:
+        """What backward's end holds beyond the parameters, optimizer state and accumulator, where the activations
+        are gone; the step holds the larger of this and the activations (with the gradients made early)."""
+        return self.in_flight + (self.grads if self.late_grads else 0)
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.accumulator + self.opt_state + max(self.activations, self.in_flight)
+        early = 0 if self.late_grads else self.grads
+        return self.params + early + self.accumulator + self.opt_state + max(self.activations, self.end_of_backward)
 
     def with_activations(self, nbytes: int) -> Memory:
         others = self.others.with_activations(nbytes) if self.others else None

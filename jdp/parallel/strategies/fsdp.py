@@ -134,18 +134,20 @@ def state_bytes(
     params, opt_state, optimizer: optax.GradientTransformation, n: int, grad_accum: int,
     reshard_after_forward: bool = True, accumulate_unsharded: bool = False, **_,
 ) -> Memory:  # fmt: skip
-    """1/n of the (padded) parameters, their gradients and optimizer state, plus the largest unit's parameters and
-    gradients gathered whole (one block at a time; two with prefetch, which XLA's scheduler may do); without
-    resharding every block's gathered parameters stay until backward; accumulating unsharded (grad_accum > 1), the
-    running sum is every gradient whole. Its buckets are its units, counted here (ddp's `bucket` is not used)."""
+    """1/n of the (padded) parameters, their gradients and optimizer state, plus the largest unit's parameters
+    gathered whole twice (a gather's output, and each leaf cut out of it: a copy, the devices' rows interleave) and
+    its gradients whole before their reduce-scatter (in flight); without resharding every block's gathered
+    parameters stay until backward, twice over as well (measured: tests/test_plan.py); accumulating unsharded
+    (grad_accum > 1), the running sum is every gradient whole. The gradients' shards are made as backward frees the
+    activations (late_grads). Its buckets are its units, counted here (ddp's `bucket` is not used)."""
     lay = Rows(n)
     padded = jax.tree.map(lambda x: jax.ShapeDtypeStruct(lay.shape(x), x.dtype), params)
     p = tree_bytes(padded) // n
     opt = tree_bytes(lay.shapes(optimizer, params)) // n
     unit = max(Units.of_names(param_names(params)).unit_bytes(params), default=0)
-    gathered = 2 * unit if reshard_after_forward else tree_bytes(params)
+    gathered = 2 * (unit if reshard_after_forward else tree_bytes(params))
     accumulator = (tree_bytes(params) if accumulate_unsharded else p) if grad_accum > 1 else 0
-    return Memory(p + gathered, p + unit, accumulator, opt, opt_note=f"this device's 1/{n}")
+    return Memory(p + gathered, p, accumulator, opt, opt_note=f"this device's 1/{n}", in_flight=unit, late_grads=True)
 
 
 def block_policy(remat: str, reshard_after_forward: bool = True, **_) -> str:
@@ -351,12 +353,12 @@ class Units:
                                 strict=True):  # fmt: skip
                     whole[k] = x
             model = nnx.merge(graphdef, jax.tree.unflatten(tree, whole), rest, copy=True)
-            swapped = []
+            swapped, chain = [], _Chain()
             for (path, i), ks in self.blocks.items():
                 container = _find(model, path)
                 if not isinstance(block := container[i], nnx.Module):
                     raise ValueError(f"strategy='fsdp' gathers {path}.{i} as a block, but it is not a module")
-                container[i] = _Gathered(block, gatherer(leaves, ks), reshard, None)
+                container[i] = _Gathered(block, gatherer(leaves, ks), reshard, None, chain)
                 swapped.append((container.__setitem__, i, block))
             for name, ks in self.modules.items():
                 module = getattr(model, name)
@@ -385,13 +387,32 @@ class _Once:
     value = None
 
 
+class _Chain:
+    """The blocks of one forward in the order they run: each block's gather waits for the block before it to start
+    (its input), so one block is gathered ahead and no more (PyTorch FSDP's limit_all_gathers). Unordered, XLA:CPU
+    starts every block's gather at the top of the step: the whole model gathered at once."""
+
+    before = None  # the input of the block that ran last
+
+    def tie(self, shards: list, arrays: dict) -> list:
+        """shards, ordered after the last block's input; the next block's gather is ordered after these arrays."""
+        before, inputs = self.before, [a for a in arrays.values() if isinstance(a, jax.Array)]
+        self.before = inputs[0] if inputs else before
+        return shards if before is None else _after(shards, before)
+
+
+def _after(shards: list, before: jax.Array) -> list:
+    """shards, available once `before` is (an optimization barrier; its gradient passes through unchanged)."""
+    return jax.lax.optimization_barrier((shards, jax.lax.stop_gradient(before)))[0]
+
+
 class _Gathered(nnx.Module):
     """A module whose parameters are this device's rows: calling it (or any of its methods: a tied embedding's
     `attend`) gathers them whole and runs it. A block lets go of them after its forward (reshard: gathered again
     for backward); a module with `once` gathers them at its first use and keeps them for the rest of the forward."""
 
-    def __init__(self, module: nnx.Module, gather, reshard: bool, once: _Once | None):
-        self.module, self.gather, self.reshard, self.once = module, gather, reshard, once
+    def __init__(self, module: nnx.Module, gather, reshard: bool, once: _Once | None, chain: _Chain | None = None):
+        self.module, self.gather, self.reshard, self.once, self.chain = module, gather, reshard, once, chain
         self.policy = remat.RESHARD if reshard else None  # what backward keeps (None: all, nothing recomputed)
 
     def recompute(self, policy):
@@ -403,7 +424,7 @@ class _Gathered(nnx.Module):
         return self.run("__call__", args, kwargs)
 
     def __getattr__(self, name: str):
-        if name.startswith("_") or name in ("module", "gather", "reshard", "once", "policy"):
+        if name.startswith("_") or name in ("module", "gather", "reshard", "once", "chain", "policy"):
             raise AttributeError(name)
         if not callable(getattr(type(self.module), name, None)):
             raise AttributeError(f"strategy='fsdp' gathers {type(self.module).__name__}'s parameters when it is "
@@ -427,6 +448,8 @@ class _Gathered(nnx.Module):
             out = getattr(module, method)(*[arrays.get(i, a) for i, a in enumerate(args)], **kwargs)
             return out, nnx.split(module, nnx.Param, ...)[2]
 
+        if self.chain is not None:
+            leaves = self.chain.tie(leaves, arrays)
         if self.policy is not None:  # resharding, or model.remat: gathered again in backward, and recomputed
             run = jax.checkpoint(run, policy=self.policy)
         out, rest = run(leaves, rest, arrays)
