@@ -220,10 +220,13 @@ def device_memory(
     """What one device holds during a step of `strategy` (default: the config's) on `devices` devices, the
     fullest one (dp: the master; `others` then says what the rest hold). `state`: an abstract_state(cfg) already
     traced; `grad_accum`: default the config's; frees: whether recomputation frees memory
-    (recomputes_activations)."""
+    (recomputes_activations). With blocks recomputed the activations peak inside backward, at a block's
+    recomputation, as the gradients are being made: they count against each other (Memory.late_grads), the larger
+    of the two, as fsdp's always do (measured: docs/planning.md#against-the-compiled-step)."""
     strategy = strategy or cfg.parallel.strategy
     held = held_bytes(cfg, strategy, devices, state, grad_accum, frees)
-    return held.with_activations(activation_bytes(cfg, micro_batch, fused, strategy, frees))
+    memory = held.with_activations(activation_bytes(cfg, micro_batch, fused, strategy, frees))
+    return memory.with_late_grads() if frees and cfg.model.remat != "none" else memory
 
 
 def fit_note(total: int, gpu_name: str) -> str:
@@ -627,7 +630,8 @@ def what_fits(planner: Planner, state: tuple, devices: int, per_device_batch: in
     """The changes that fit `capacity` bytes per device, each re-checked by the planner (memory and step time),
     fastest first: for every planned strategy and recomputation policy, the fewest train.grad_accum micro-batches
     of today's per-device batch that fit; the parameters, gradients and optimizer state in bfloat16 (which changes
-    the numerics); and the fewest devices (doubling) at which a strategy fits at today's per-device batch."""
+    the numerics); and the fewest devices (doubling) at which a strategy fits at today's per-device batch. A change
+    another beats on memory, step time and devices at once is left out (recomputing where nothing needs it)."""
     cfg, b, fused = planner.cfg, per_device_batch, fused_attention(planner.cfg)
     found: list[Fit] = []
 
@@ -656,7 +660,12 @@ def what_fits(planner: Planner, state: tuple, devices: int, per_device_batch: in
         for strategy in planned_strategies():
             consider(_with(half, strategy, half.model.remat, half.train.grad_accum), devices, half_state,
                      " (bfloat16 parameters, gradients and optimizer state: other numerics)")  # fmt: skip
-    return tuple(sorted(found, key=lambda f: (f.step_s, f.devices))[:limit])
+    def beaten(f: Fit) -> bool:
+        return any((g.memory_total, g.step_s, g.devices) < (f.memory_total, f.step_s, f.devices)
+                   and g.memory_total <= f.memory_total and g.step_s <= f.step_s and g.devices <= f.devices
+                   for g in found)  # fmt: skip
+
+    return tuple(sorted((f for f in found if not beaten(f)), key=lambda f: (f.step_s, f.devices))[:limit])
 
 
 def _with(cfg: Config, strategy: str, remat: str, grad_accum: int) -> Config:

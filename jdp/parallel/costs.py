@@ -73,6 +73,11 @@ class Memory:
         others = self.others.with_activations(nbytes) if self.others else None
         return dataclasses.replace(self, activations=nbytes, others=others)
 
+    def with_late_grads(self) -> Memory:
+        """The same bytes, the gradients made as backward frees the activations (late_grads)."""
+        others = self.others.with_late_grads() if self.others else None
+        return dataclasses.replace(self, late_grads=True, others=others)
+
     def to_dict(self) -> dict:
         """The bytes and their total (what `jdp plan --json` prints)."""
         fields = ("params", "grads", "accumulator", "opt_state", "activations", "in_flight")
