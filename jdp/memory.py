@@ -190,8 +190,7 @@ def refusal(cfg: Config, derived: Derived, pool: Pool, platform: str) -> str | N
     if m.late_grads:  # made as backward frees the activations: they count against them
         parts[1] = ("gradients", 0)
         if m.end_of_backward > m.activations:
-            parts[-1] = ("the gradients and a unit's whole gradients being reduced (more than the activations)",
-                         m.end_of_backward)  # fmt: skip
+            parts[-1] = ("the gradients and those being reduced (more than the activations)", m.end_of_backward)
     elif m.in_flight > m.activations:  # the end of backward is the step's peak
         parts[-1] = ("a gradient bucket being reduced (more than the activations)", m.in_flight)
     held = ", ".join(f"{name} {_gb(nbytes)}" for name, nbytes in parts if nbytes)

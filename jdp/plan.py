@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import json
 import math
+import operator
 import re
 import statistics
 from dataclasses import dataclass
@@ -660,10 +661,12 @@ def what_fits(planner: Planner, state: tuple, devices: int, per_device_batch: in
         for strategy in planned_strategies():
             consider(_with(half, strategy, half.model.remat, half.train.grad_accum), devices, half_state,
                      " (bfloat16 parameters, gradients and optimizer state: other numerics)")  # fmt: skip
+
+    def costs(f: Fit) -> tuple:
+        return f.memory_total, f.step_s, f.devices
+
     def beaten(f: Fit) -> bool:
-        return any((g.memory_total, g.step_s, g.devices) < (f.memory_total, f.step_s, f.devices)
-                   and g.memory_total <= f.memory_total and g.step_s <= f.step_s and g.devices <= f.devices
-                   for g in found)  # fmt: skip
+        return any(costs(g) != costs(f) and all(map(operator.le, costs(g), costs(f))) for g in found)
 
     return tuple(sorted((f for f in found if not beaten(f)), key=lambda f: (f.step_s, f.devices))[:limit])
 
@@ -740,8 +743,11 @@ def format_plan(plan: Plan, cfg: Config) -> str:
         f"memory per device ({plan.gpu}: {gpu.memory_gb:g} GB)",
         f"  parameters        {pdtype:<9} {_size(m.params):>10}   exact, from the model's shapes",
         f"  gradients         {pdtype:<9} {_size(m.grads):>10}   exact"
-        + (", made as backward frees the activations: with the unit below they count against them" if m.late_grads
-           else ""),
+        + (
+            ", made as backward frees the activations: with the bucket below they count against them"
+            if m.late_grads
+            else ""
+        ),
     ]
     if m.accumulator:
         lines.append(
@@ -753,9 +759,11 @@ def format_plan(plan: Plan, cfg: Config) -> str:
         f"  activations       {cfg.model.dtype:<9} {_size(m.activations):>10}   estimate for one micro-batch of "
         f"{micro} x {L} tokens, {attention}",
         *(
-            [f"  bucket in flight  {cfg.parallel.reduce_dtype:<9} {_size(m.in_flight):>10}   at the end of backward, "
-             f"when the activations are gone: the larger of the two counts"
-             + (" (a unit's gradients whole, before their reduce-scatter)" if m.late_grads else "")]
+            [
+                f"  bucket in flight  {cfg.parallel.reduce_dtype:<9} {_size(m.in_flight):>10}   at the end of backward, "
+                f"when the activations are gone: the larger of the two counts"
+                + (" (a unit's gradients whole, before their reduce-scatter)" if m.late_grads else "")
+            ]
             if m.in_flight
             else []
         ),  # fmt: skip

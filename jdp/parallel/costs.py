@@ -54,8 +54,9 @@ class Memory:
     # At the end of backward, beside every gradient: the bucket being reduced (ddp: its concatenation; zero1: the
     # slices scattered and gathered). The activations are gone by then, so the larger of the two counts.
     in_flight: int = 0
-    # The gradients are made as backward frees the activations (fsdp's reduce-scattered shards: none exist at the
-    # start of backward), so they too count against the activations, at the end of backward, not beside them.
+    # The gradients are made as backward frees the activations (fsdp's reduce-scattered shards, none at the start of
+    # backward; any strategy's when blocks are recomputed: plan.device_memory), so they count against the
+    # activations, at the end of backward, not beside them.
     late_grads: bool = False
 
     @property
