@@ -395,9 +395,10 @@ class _Chain:
     before = None  # the input of the block that ran last
 
     def tie(self, shards: list, arrays: dict) -> list:
-        """shards, ordered after the last block's input; the next block's gather is ordered after these arrays."""
-        before, inputs = self.before, [a for a in arrays.values() if isinstance(a, jax.Array)]
-        self.before = inputs[0] if inputs else before
+        """shards, ordered after the last block's input; the next block's gather after the first of `arrays` (this
+        block's input)."""
+        before = self.before
+        self.before = next(iter(arrays.values()), before)
         return shards if before is None else _after(shards, before)
 
 
