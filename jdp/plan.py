@@ -762,7 +762,6 @@ def format_plan(plan: Plan, cfg: Config) -> str:
             [
                 f"  bucket in flight  {cfg.parallel.reduce_dtype:<9} {_size(m.in_flight):>10}   at the end of backward, "
                 f"when the activations are gone: the larger of the two counts"
-                + (" (a unit's gradients whole, before their reduce-scatter)" if m.late_grads else "")
             ]
             if m.in_flight
             else []
