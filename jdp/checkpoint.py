@@ -29,6 +29,7 @@ __all__ = [
     "Checkpoints",
     "SaveFailed",
     "abstract",
+    "check_groups",
     "check_param_shapes",
     "check_data",
     "check_resumable",
@@ -38,6 +39,9 @@ __all__ = [
     "make_record",
     "saved_comm",
     "saved_data_state",
+    "saved_groups",
+    "saved_parallel",
+    "saved_sync",
     "saved_fingerprint",
     "saved_layout",
     "verify",
@@ -61,6 +65,10 @@ RESUMABLE_CHANGES = {
     "parallel.compression",
     "parallel.powersgd_rank", "parallel.powersgd_warmup", "parallel.powersgd_error_feedback",
     "parallel.powersgd_min_ratio", "parallel.powersgd_uncompressed",
+    # DiLoCo: when the groups sync next and how their pseudo-gradients travel; the round in progress goes on. A
+    # checkpoint of every-step sync continues under DiLoCo and the reverse (parallel/sync/diloco.py converts it); the
+    # number of groups is checked against the checkpoint's own (check_groups), not against the config's 0 (by host).
+    "parallel.outer_every", "parallel.outer_dtype", "parallel.sync", "parallel.groups",
     # A resumed run starts from its own checkpoint: where its first weights came from no longer matters.
     "train.init_from",
     # Whether a resume may go on over changed data: it is checked against the data, not the saved config.
@@ -155,7 +163,10 @@ def _core(state) -> dict:
 
 
 def _without_comm(state):
-    return dataclasses.replace(state, comm=None) if getattr(state, "comm", None) is not None else state
+    """The state without its separately saved parts: the hook's per-device states ("comm") and DiLoCo's groups'
+    states ("inner"), each an item of its own with its own checksums."""
+    parts = {k: None for k in ("comm", "inner") if getattr(state, k, None) is not None}
+    return dataclasses.replace(state, **parts) if parts else state
 
 
 class _ReadOnlyNotice(logging.Filter):
@@ -273,6 +284,9 @@ class Checkpoints:
         if (comm := getattr(state, "comm", None)) is not None:
             record["comm_checksums"] = checksums(comm)
             items["comm"] = ocp.args.StandardSave(comm)
+        if (inner := getattr(state, "inner", None)) is not None:
+            record["inner_checksums"] = checksums(inner)
+            items["inner"] = ocp.args.StandardSave(inner)
         self.wait()  # orbax's save waits for the previous one anyway; this names that one's step if it failed
         self.writing = step
         try:
@@ -434,12 +448,19 @@ class Checkpoints:
         read_comm = getattr(like, "comm", None) is not None and "comm_checksums" in record
         if read_comm:
             items["comm"] = ocp.args.StandardRestore(abstract(like.comm))
+        if (inner := getattr(like, "inner", None)) is not None:
+            if "inner_checksums" not in record:  # the config check refuses a changed parallel.sync before this
+                raise ValueError("it holds no groups' states (parallel.sync=diloco's); it was saved with another sync")
+            items["inner"] = ocp.args.StandardRestore(abstract(inner))
         restored = self.manager.restore(step, args=ocp.args.Composite(**items, record=ocp.args.JsonRestore()))
         state = dataclasses.replace(state_like, **restored["state"])
         verify(_without_comm(state), record)
         if read_comm:
             verify(restored["comm"], {"checksums": record["comm_checksums"]})
             state = dataclasses.replace(state, comm=restored["comm"])
+        if inner is not None:
+            verify(restored["inner"], {"checksums": record["inner_checksums"]})
+            state = dataclasses.replace(state, inner=restored["inner"])
         return state, record
 
     def _damaged(self, step: int, e: Exception) -> None:
@@ -464,6 +485,17 @@ class Checkpoints:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def check_groups(record: dict, groups: int | None) -> None:
+    """Refuse a DiLoCo checkpoint of another number of groups (their states do not map onto these)."""
+    saved = saved_groups(record)
+    if saved is not None and groups is not None and saved != groups:
+        raise ConfigError(
+            f"the checkpoint at step {record['step']} holds the states of {saved} DiLoCo groups, this run has "
+            f"{groups}: set parallel.groups={saved} (or run on as many hosts), or continue it with parallel.sync=step "
+            f"first (the round's parameters)"
+        )
 
 
 def check_param_shapes(record: dict, param_shapes) -> None:
@@ -497,6 +529,21 @@ def saved_comm(record: dict) -> dict | None:
     return record.get("comm")
 
 
+def saved_parallel(record: dict) -> dict:
+    """The parallel section of the config a checkpoint was saved with (how its groups synced, the outer step)."""
+    return record.get("config", {}).get("parallel", {})
+
+
+def saved_sync(record: dict) -> str:
+    """How a checkpoint's groups synced (parallel.sync; older records: every step)."""
+    return saved_parallel(record).get("sync", "step")
+
+
+def saved_groups(record: dict) -> int | None:
+    """How many groups' states a DiLoCo checkpoint holds (parallel.sync=diloco); None for any other."""
+    return record.get("groups")
+
+
 def saved_data_state(record: dict) -> dict | None:
     """What the record keeps of the data besides the step (a mixture's schedule: Source.state), or None."""
     return record.get("data", {}).get("state")
@@ -516,6 +563,7 @@ def make_record(
     param_shapes: list | None = None,
     data_state: dict | None = None,
     fingerprint: dict | None = None,
+    groups: int | None = None,
 ) -> dict:
     """A checkpoint's JSON record beside its arrays: what resuming checks and needs besides the train state (the
     config it was trained with, where the data stood, how the optimizer state is laid out, the hook's state)."""
@@ -532,6 +580,8 @@ def make_record(
     }
     if comm is not None:
         record["comm"] = comm
+    if groups is not None:  # parallel.sync=diloco: how many groups' states the checkpoint holds
+        record["groups"] = groups
     return record
 
 

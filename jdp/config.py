@@ -17,7 +17,7 @@ from jdp import models
 from jdp.data import formats
 from jdp.errors import ConfigError
 from jdp.models.config import SHARED_KEYS, ModelConfig
-from jdp.parallel import strategies
+from jdp.parallel import strategies, sync
 from jdp.rundir import RunDir
 
 __all__ = [
@@ -162,6 +162,16 @@ class ParallelConfig:
     # where process 0's coordination service listens (HOST or HOST:PORT); default: only where the coordinator
     # address points (the loopback for a single-node job), never every interface unless asked ("0.0.0.0")
     coordinator_bind: str = ""
+    # How the groups of devices agree (parallel/sync/): step, every step (the strategy's own collectives, today's);
+    # diloco, every parallel.outer_every steps (DiLoCo: each group trains alone, then the groups average what they
+    # moved and an outer Nesterov step applies it; docs/diloco.md)
+    sync: str = "step"
+    groups: int = 0  # diloco: how many groups of devices train apart (0: one per host); each a contiguous block
+    outer_every: int = 50  # diloco: H, the inner steps between syncs
+    outer_lr: float = 0.7  # diloco: the outer SGD's learning rate (1 with no momentum: the groups' plain average)
+    outer_momentum: float = 0.9  # diloco: the outer SGD's Nesterov momentum (0: none)
+    # diloco: how the groups' pseudo-gradients travel: float32, bfloat16, int8 or int4 (absmax per block of 256)
+    outer_dtype: str = "float32"
 
 
 @dataclass(frozen=True)
@@ -418,17 +428,17 @@ RANGES = {
          "train.ckpt_keep", "train.step_timeout_s", "parallel.init_timeout_s", "parallel.heartbeat_timeout_s",
          "optim.lr", "optim.eps", "parallel.powersgd_rank", "model.norm_eps", "model.rope_theta", "model.rope_factor",
          "model.rope_low_freq_factor", "model.rope_high_freq_factor", "model.rope_original_max_len",
-         "model.remat_every"],
+         "model.remat_every", "parallel.outer_every", "parallel.outer_lr"],
         _POSITIVE,
     ),
     **dict.fromkeys(
         ["model.vocab_valid", "data.val_tokens", "data.prefetch", "data.num_proc", "train.eval_every", "train.ckpt_every",
          "train.max_bad_steps", "train.check_replicas_every", "optim.warmup_steps", "optim.weight_decay",
          "optim.grad_clip", "parallel.bucket_mb", "parallel.powersgd_warmup", "model.n_kv_heads", "model.d_ff",
-         "model.head_dim"],
+         "model.head_dim", "parallel.groups"],
         _NON_NEGATIVE,
     ),
-    **dict.fromkeys(["optim.b1", "optim.b2", "optim.momentum"], _FRACTION),
+    **dict.fromkeys(["optim.b1", "optim.b2", "optim.momentum", "parallel.outer_momentum"], _FRACTION),
     "optim.min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "parallel.powersgd_min_ratio": (lambda v: v >= 1, ">= 1 (compression must not grow a gradient)"),
 }  # fmt: skip
@@ -447,6 +457,8 @@ CHOICES = {
     "parallel.strategy": strategies.names,  # looked up at each check: a strategy registered later counts
     "parallel.reduce_dtype": ("float32", "bfloat16"),
     "parallel.compression": ("none", "powersgd"),
+    "parallel.sync": sync.names,
+    "parallel.outer_dtype": ("float32", "bfloat16", "int8", "int4"),
 }
 
 
@@ -530,6 +542,8 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Derived:
         )
     if par.strategy in strategies.REGISTRY:
         problems += strategies.get(par.strategy).problems(par, n_processes, n_devices)
+    if par.sync in sync.REGISTRY:
+        problems += sync.get(par.sync).problems(par, t, n_devices)
     per_step = n_devices * max(t.grad_accum, 1)
     if t.batch_size > 0 and t.batch_size % per_step:
         lo = max(per_step, t.batch_size // per_step * per_step)

@@ -20,6 +20,7 @@ from jdp.data.dataset import Prefetcher, Source
 from jdp.job.coordination import StopAgreement, Watchdog
 from jdp.log import logger
 from jdp.metrics import GOODPUT_PARTS, MetricsLog, StepMeter, describe_goodput, goodput
+from jdp.parallel import sync
 from jdp.rundir import RunDir
 
 __all__ = ["Loop", "Phases", "Result", "Run"]
@@ -121,7 +122,8 @@ class Loop:
                         unit="step", dynamic_ncols=True, mininterval=1.0)  # fmt: skip
         self.loader = Prefetcher(lambda i: (run.data.local_batch(i), run.data.position()), run.start, t.steps,
                                  run.cfg.data.prefetch)  # fmt: skip
-        stop, run.phases.watchdog = StopAgreement(run.handle_signals), Watchdog(t.step_timeout_s)
+        apart = sync.get(run.cfg.parallel.sync).apart(run.cfg.parallel)  # steps the groups may run apart
+        stop, run.phases.watchdog = StopAgreement(run.handle_signals, apart), Watchdog(t.step_timeout_s)
         loop_start = time.time()
         try:
             preempted = self.steps(stop)

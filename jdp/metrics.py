@@ -338,7 +338,8 @@ class StepMeter:
         """The metrics.jsonl record of step `step` if one is due (every train.log_every steps, and the last)."""
         t = self.cfg.train
         now, tps, record = time.perf_counter(), None, None
-        if step % t.log_every == 0 or step == t.steps:
+        outer = {k: v for k, v in m.items() if k.startswith("outer_")}  # a DiLoCo sync's: every one is logged
+        if step % t.log_every == 0 or step == t.steps or outer:
             if self.t is not None and now > self.t:
                 tps = self.tps = self.tokens / (now - self.t)
             record = {
@@ -355,6 +356,7 @@ class StepMeter:
                 "skipped_steps": self.skipped,  # non-finite updates skipped since the previous record
                 "skipped_total": self.bad_total,
                 **self.stats_of(step),
+                **outer,
             }
             self.wait, self.skipped = data_wait_s, 0
         if self.t is None or tps is not None:

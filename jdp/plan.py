@@ -55,7 +55,7 @@ from jdp.metrics import flops_per_token, read_metrics, recompute_flops_per_token
 from jdp.models import make_model
 from jdp.models.common import lm_loss
 from jdp.optim import make_optimizer
-from jdp.parallel import strategies
+from jdp.parallel import strategies, sync
 from jdp.parallel.buckets import bucket_plan
 from jdp.parallel.costs import WINDOWS, Buckets, Collectives, Memory, Traffic, ring_s, tree_bytes
 from jdp.parallel.remat import POLICIES, Remat
@@ -124,7 +124,9 @@ def held_bytes(
     options = s.options_of(cfg.parallel)
     if not frees and "reshard_after_forward" in options:
         options["reshard_after_forward"] = False
-    return s.costs().state_bytes(params, opt_state, optimizer, n, accum, bucket=largest_bucket(cfg, params), **options)
+    m = s.costs().state_bytes(params, opt_state, optimizer, n, accum, bucket=largest_bucket(cfg, params), **options)
+    more_params, more_opt = sync.get(cfg.parallel.sync).extra_bytes(cfg.parallel, m.params)  # DiLoCo's round
+    return dataclasses.replace(m, params=m.params + more_params, opt_state=m.opt_state + more_opt)
 
 
 def largest_bucket(cfg: Config, params) -> int:

@@ -30,6 +30,7 @@ from jdp.callbacks import Callback, Checkpoint, Evaluate, ReplicaCheck, imported
 from jdp.checkpoint import (
     Checkpoints,
     check_data,
+    check_groups,
     check_param_shapes,
     check_resumable,
     config_differences,
@@ -39,7 +40,10 @@ from jdp.checkpoint import (
     saved_comm,
     saved_data_state,
     saved_fingerprint,
+    saved_groups,
     saved_layout,
+    saved_parallel,
+    saved_sync,
 )
 from jdp.config import Config, ConfigError, Derived, save_config, validate
 from jdp.data.corpus import cache_root
@@ -63,7 +67,7 @@ from jdp.metrics import (
     step_ranges,
     supersede,
 )
-from jdp.parallel import strategies
+from jdp.parallel import strategies, sync
 from jdp.parallel.comm_hooks import CommHook
 from jdp.parallel.remat import Remat
 from jdp.rundir import RunDir, RunDirInUse, RunLock
@@ -310,6 +314,22 @@ class Trainer:
         def check(record):
             check_resumable(record, cfg)
             check_param_shapes(record, steps.state.param_shapes())
+            check_groups(record, steps.groups)
+            moving = steps.conversion(record) is not None
+            if moving and parallel.layout_of(saved_layout(record)).flat:
+                raise ConfigError(
+                    f"the checkpoint at step {record['step']} was saved with parallel.sync="
+                    f"{saved_sync(record)} and its optimizer state split flat "
+                    f"({parallel.layout_of(saved_layout(record)).describe()}); continue it under parallel.strategy=ddp "
+                    f"first (one step), then switch parallel.sync"
+                )
+            if moving and steps.layout.splits_parameters:
+                raise ConfigError(
+                    f"the checkpoint at step {record['step']} was saved with parallel.sync="
+                    f"{saved_sync(record)}; it continues under parallel.strategy=ddp, "
+                    f"zero1 or dp (not yet {cfg.parallel.strategy}, which splits the parameters): resume with one of "
+                    f"them, save, then switch"
+                )
             check_data(record, data_print, cfg)
 
         if not t.resume or not (restored := ckpts.restore_latest(steps.state, check, steps.target)):
@@ -345,6 +365,20 @@ class Steps:
     mesh: jax.sharding.Mesh
     strategy: str
     comm_hook: CommHook | None
+    par: Any = None  # the config's parallel section (how the groups sync)
+
+    @property
+    def groups(self) -> int | None:
+        """How many DiLoCo groups' states the state holds (None: every step agrees)."""
+        return None if self.state.inner is None else int(jax.tree.leaves(self.state.inner)[0].shape[0])
+
+    def conversion(self, record: dict):
+        """The sync module that moves this checkpoint's state to today's way of syncing; None when it is today's."""
+        saved = saved_sync(record)
+        today = self.par.sync if self.par is not None else "step"
+        if saved_groups(record) == self.groups:
+            return None
+        return next(m for m in (sync.get(saved).steps(), sync.get(today).steps()) if m is not None)
 
     @property
     def layout(self) -> parallel.OptLayout:
@@ -356,13 +390,21 @@ class Steps:
 
     def target(self, record: dict):
         """What to restore a checkpoint into: its optimizer state may be laid out for another strategy or device
-        count; the hook's saved state is read only into the same hook on as many devices (else it starts afresh)."""
+        count; the hook's saved state is read only into the same hook on as many devices (else it starts afresh); a
+        checkpoint of another way of syncing (DiLoCo's, or every step's for DiLoCo) as it was saved."""
+        if (ways := self.conversion(record)) is not None:
+            saved = saved_parallel(record)
+            return ways.restore_like(self.state, self.optimizer, self.mesh, saved_groups(record), saved)
         like = parallel.restore_target(self.state, self.optimizer, self.mesh, self.strategy,
                                        parallel.layout_of(saved_layout(record)))  # fmt: skip
         return like if saved_comm(record) == self.comm else dataclasses.replace(like, comm=None)
 
     def after_restore(self, state, record: dict):
-        """A restored state laid out for today's strategy, saying what moved."""
+        """A restored state laid out for today's strategy and way of syncing, saying what moved."""
+        if (ways := self.conversion(record)) is not None:
+            state, what = ways.converted(state, self.mesh, self.groups is not None, self.par)
+            log.info(f"the checkpoint at step {record['step']} was saved with parallel.sync="
+                     f"{saved_sync(record)}: {what}")  # fmt: skip
         if (saved := parallel.layout_of(saved_layout(record))) != self.layout:
             if not saved.reads_into(self.layout):  # else it was read straight into today's layout
                 state = parallel.relayout(state, self.optimizer, self.mesh, self.strategy)
@@ -376,9 +418,10 @@ class Steps:
         schedule, the same on every process), read when the record is made; `data_print`: what the data is."""
         layout, comm = self.layout.to_record(), self.comm
         shapes = [list(x.shape) for x in jax.tree.leaves(self.state.param_shapes())]
+        groups = self.groups
         return lambda step: make_record(cfg, step, optimizer_layout=layout, comm=comm, param_shapes=shapes,
                                         data_state=data_state() if data_state else None,
-                                        fingerprint=data_print)  # fmt: skip
+                                        fingerprint=data_print, groups=groups)  # fmt: skip
 
 
 def apply_xla_options(cfg: Config) -> None:
@@ -399,7 +442,8 @@ def build_steps(model, loss_fn, optimizer, mesh, cfg: Config, schedule=None, com
     """parallel.assemble's state and steps, with what the trainer's checkpoints need of them."""
     a = parallel.assemble(model, loss_fn, optimizer, mesh, cfg.parallel, cfg.train.grad_accum, schedule, comm_hook,
                           factory, Remat.of(cfg.model))  # fmt: skip
-    return Steps(a.graphdef, a.state, a.train_step, a.eval_step, optimizer, mesh, cfg.parallel.strategy, comm_hook)
+    return Steps(a.graphdef, a.state, a.train_step, a.eval_step, optimizer, mesh, cfg.parallel.strategy, comm_hook,
+                 cfg.parallel)  # fmt: skip
 
 
 def hold(lock: RunLock, run_dir: RunDir, cfg: Config) -> int | None:
@@ -527,6 +571,7 @@ def banner(cfg: Config, world: World, derived, model_line: str, data, run_dir, r
         f"parallel.strategy={par.strategy} bucket_mb={par.bucket_mb:g} reduce_dtype={par.reduce_dtype}"
         f"{compression(par)} | "
         f"XLA_FLAGS={shown_xla_flags(jax.devices()[0].platform)!r}",
+        *([synced] if (synced := sync.get(par.sync).describe(par)) else []),
         f"data {data.describe()}{epochs}",
         *(f"data | {line}" for line in data.describe_sources()),
         f"run dir {run_dir.path} | {where} | compile cache {cache or 'off (train.compile_cache=false)'}",

@@ -219,6 +219,38 @@ def test_a_slow_lossy_link_trains_the_same_losses(env, tmp_path, reference):
     assert summary(d)["params_sha256"] == summary(reference)["params_sha256"]
 
 
+DILOCO = ["parallel.sync=diloco", "parallel.outer_every=4"]  # one group per host: the slow link between the groups
+
+
+@pytest.mark.skipif(bool(shape_unavailable()), reason=f"no link can be shaped here: {shape_unavailable()}")
+def test_diloco_across_a_slow_lossy_link_restarts_and_trains_as_one_host(env, tmp_path):
+    """parallel.sync=diloco (a group per host, H=4) over host 1's 20 +- 5 ms, 1% loss link, process 3 killed after
+    step 7 (mid-round; the checkpoint at 5 is mid-round too) and every host's workers restarted: the job resumes and
+    ends bit for bit as the same DiLoCo job uninterrupted on 1 host x 4 processes as 2 groups (every loss, the round's
+    parameters), and its steps are timed against that run (printed)."""
+    import inject
+
+    reference = tmp_path / "reference"
+    run(reference, env, (4, 1), [*STEPS, f"parallel.heartbeat_timeout_s={HEARTBEAT_S}", *DILOCO,
+                                 "parallel.groups=2"])  # fmt: skip
+    d = tmp_path / "run"
+    faults, override = inject.register(env, JDP_TEST_KILL_ONCE=f"7:3:{tmp_path / 'killed'}")
+    with Hosts(2, shaped=(1,)) as hosts:
+        hosts.shape(1, delay_ms=20, jitter_ms=5, loss_pct=1)
+        procs = [launch(hosts, i, d, [*STEPS, *DILOCO, override], env=faults,
+                        launcher=["--max-restarts", "1"]) for i in range(2)]  # fmt: skip
+        codes = wait_all(procs, 400)
+        logs = [(tmp_path / f"run-host{i}.log").read_text() for i in range(2)]
+    assert codes == [0, 0], "\n\n".join(log[-3000:] for log in logs)
+    assert (tmp_path / "killed").exists() and "resuming from the checkpoint at step 5" in logs[0]
+    assert "parallel.sync=diloco: a group per host, synced every 4 steps" in logs[0]
+    mine, theirs = read_metrics(d / "metrics.jsonl"), read_metrics(reference / "metrics.jsonl")
+    assert {r["step"]: r["loss"] for r in mine if "loss" in r} == {r["step"]: r["loss"] for r in theirs if "loss" in r}
+    assert [r["step"] for r in mine if "outer_grad_norm" in r][-4:] == [8, 12, 16, 20]
+    assert summary(d)["params_sha256"] == summary(reference)["params_sha256"]
+    print(f"DiLoCo H=4 over the slow link: {ms_per_step(d):.0f} ms/step against {ms_per_step(reference):.0f} on one host")
+
+
 def wait_for(path: Path, text: str, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

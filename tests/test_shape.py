@@ -18,7 +18,9 @@ MODULES = {
     for p in JDP.rglob("*.py")
     if p != JDP / "__init__.py"
 }
-STEP_MODULES = {"parallel.mesh", "parallel.step"} | {name for name in MODULES if name.startswith("parallel.strategies")}
+STEP_MODULES = {"parallel.mesh", "parallel.step", "parallel.sync.diloco"} | {
+    name for name in MODULES if name.startswith("parallel.strategies")
+}
 
 
 def inside(package: str, name: str) -> bool:

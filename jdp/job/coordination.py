@@ -110,6 +110,19 @@ def publish_host(address: str) -> None:
         kv.set(f"{HOSTS}{jax.process_index()}", f"{socket.gethostname()} {address}".strip(), overwrite=True)
 
 
+def process_hosts() -> list[str]:
+    """Where each process of the job runs ("host address", as each published it: publish_host), by process index,
+    after a barrier that waits for every process to have published; [] for one process or without the store."""
+    kv = key_value_store()
+    if kv is None or jax.process_count() == 1:
+        return []
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices("jdp: every process has published its host")
+    where = {int(k.rsplit("/", 1)[-1]): v for k, v in kv.dir_get(HOSTS).items() if k.rsplit("/", 1)[-1].isdigit()}
+    return [where.get(i, f"process {i}") for i in range(jax.process_count())]
+
+
 def describe_hosts() -> str:
     """'2 hosts: vm 10.213.7.1 (processes 0-1), vm 10.213.7.2 (processes 2-3)', from what every process published
     (call after a barrier that follows publish_host); '' for one process."""
@@ -198,14 +211,21 @@ class StopAgreement:
     store; every process reads it before each step. Processes of a data-parallel job are never more than a
     step or two apart (each step's metrics fetch waits for everyone's previous step), so the margin of 3
     leaves every process room to reach the agreed step. A second signal exits at once.
+
+    Groups that agree only every `every` steps (parallel.sync=diloco) run up to a round apart: a process can be
+    at most 2 steps past the next sync b that the proposer has not reached (the step after b waits for every group's
+    part of it), so the proposal is b + 3, b the first sync after the proposer's step; and a process reads the
+    store only 2 steps after each sync, when that sync has completed (so the proposer wrote before it): one read
+    a round instead of one a step, which over a slow link is one round trip to the coordinator saved per step.
     """
 
     MARGIN = 3
     KEY = "jdp/stop_after_step"
 
-    def __init__(self, handle_signals: bool = True):
+    def __init__(self, handle_signals: bool = True, every: int = 1):
         """handle_signals=False: this process installs no handler (a library caller keeps its own), and stops only
-        where another process of the job proposed."""
+        where another process of the job proposed. every: the steps between the groups' syncs (1: every step)."""
+        self.every = every
         self.stop_at: int | None = None
         self.signals = 0
         self._pending: int | None = None
@@ -224,7 +244,8 @@ class StopAgreement:
         """Called before each step with the number of steps done: True once the agreed step is reached."""
         kv = key_value_store()
         if self._pending is not None and self.stop_at is None:
-            proposal = done + (self.MARGIN if kv else 0)
+            ahead = done if self.every == 1 else (done // self.every + 1) * self.every  # the next sync
+            proposal = ahead + (self.MARGIN if kv else 0)
             name = signal.Signals(self._pending).name
             if kv:
                 try:
@@ -238,7 +259,8 @@ class StopAgreement:
             )
             if not kv:
                 self.stop_at = proposal
-        if kv and self.stop_at is None and (agreed := kv.try_get(self.KEY)) is not None:
+        due = self.every <= 2 or done % self.every == 2
+        if kv and due and self.stop_at is None and (agreed := kv.try_get(self.KEY)) is not None:
             self.stop_at = step_value(self.KEY, agreed)
             if self.stop_at is not None and self.stop_at < done:  # jdp proposes steps nobody has passed yet
                 if "past:" + self.KEY not in _warned:
@@ -266,15 +288,20 @@ class Watchdog:
 
     def __init__(self, timeout_s: float):
         self.timeout_s, self.step, self.last = timeout_s, 0, time.monotonic()
-        self.armed = False
+        self.armed, self.published = False, 0
         self._stop = threading.Event()
         threading.Thread(target=self._run, daemon=True, name="jdp-watchdog").start()
 
     def progress(self, step: int) -> None:
+        """Step `step` finished. The key-value store learns it from the watchdog's thread within a second, not here:
+        a round trip to the coordinator each step would cost a step its latency over a slow link."""
         self.step, self.last, self.armed = step, time.monotonic(), True
-        kv = key_value_store()
-        if kv:
+
+    def _publish(self) -> None:
+        if self.step != self.published and (kv := key_value_store()):
+            step = self.step
             kv.set(f"{self.PREFIX}{jax.process_index()}", str(step), overwrite=True)
+            self.published = step
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -288,6 +315,10 @@ class Watchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(1.0):
+            try:
+                self._publish()
+            except Exception:
+                pass  # the coordinator unreachable: the heartbeat and the timeout below speak for it
             if self.armed and time.monotonic() - self.last > self.timeout_s:
                 try:
                     behind = self._behind()

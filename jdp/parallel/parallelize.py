@@ -13,7 +13,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jdp.parallel import strategies
+from jdp.parallel import strategies, sync
 from jdp.parallel.comm_hooks import CommHook
 from jdp.parallel.mesh import Batch, make_mesh, replicate, replicated
 from jdp.parallel.remat import Remat, recomputing
@@ -27,7 +27,10 @@ from jdp.parallel.step import (
 
 
 def mesh_for(parallel_cfg) -> jax.sharding.Mesh:
-    """The mesh the config's strategy runs on: every device on `data`, or (hsdp) groups of parallel.shard_size."""
+    """The mesh the config's strategy runs on: every device on `data`, or (hsdp) groups of parallel.shard_size, or
+    the groups parallel.sync trains apart (DiLoCo's `group` axis)."""
+    if (ways := sync.get(getattr(parallel_cfg, "sync", "step")).steps()) is not None:
+        return ways.mesh(parallel_cfg)
     k = parallel_cfg.shard_size if strategies.get(parallel_cfg.strategy).groups else 0
     if k and (k < 1 or jax.device_count() % k):
         return make_mesh()  # the config check names the shard_size that does not divide the devices
@@ -129,8 +132,12 @@ def assemble(model: nnx.Module, loss_fn: LossFn, optimizer: optax.GradientTransf
     else:
         graphdef, state = init_state(model, optimizer, mesh, par.strategy, comm_hook)
     train_loss = recomputing(loss_fn, remat)
+    eval_step = make_strategy_eval_step(eval_graphdef, loss_fn, mesh, par.strategy)
+    if (ways := sync.get(getattr(par, "sync", "step")).steps()) is not None:  # groups that agree every H steps
+        state, train_step = ways.assemble(graphdef, state, train_loss, optimizer, mesh, par, grad_accum, schedule)
+        return Assembled(graphdef, state, train_step, eval_step)
     train_step = configured_train_step(graphdef, train_loss, optimizer, mesh, par, grad_accum, schedule, comm_hook)
-    return Assembled(graphdef, state, train_step, make_strategy_eval_step(eval_graphdef, loss_fn, mesh, par.strategy))
+    return Assembled(graphdef, state, train_step, eval_step)
 
 
 def configured_train_step(graphdef, loss_fn: LossFn, optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh,

@@ -68,6 +68,10 @@ class TrainState:
     # The parameters' own shapes, in leaf order, when `params` holds them padded (fsdp); None when it holds them as
     # they are. Static: part of the state's structure, known while a step is traced.
     shapes: tuple | None = field(default=None, metadata={"static": True})
+    # parallel.sync=diloco: each group's own state between syncs, {"params", "opt_state", "rest"}, every leaf with a
+    # leading axis of the groups (split over the mesh's `group` axis); `params` and `opt_state` above are then the
+    # round's parameters (the model every group agreed on at the last sync) and the outer optimizer's state.
+    inner: Any = None
 
     def param_shapes(self):
         """The parameters' own shapes and dtypes (without fsdp's padding), as a tree shaped like `params`."""
