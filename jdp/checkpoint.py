@@ -29,7 +29,6 @@ __all__ = [
     "Checkpoints",
     "SaveFailed",
     "abstract",
-    "check_groups",
     "check_param_shapes",
     "check_data",
     "check_resumable",
@@ -66,8 +65,8 @@ RESUMABLE_CHANGES = {
     "parallel.powersgd_rank", "parallel.powersgd_warmup", "parallel.powersgd_error_feedback",
     "parallel.powersgd_min_ratio", "parallel.powersgd_uncompressed",
     # DiLoCo: when the groups sync next and how their pseudo-gradients travel; the round in progress goes on. A
-    # checkpoint of every-step sync continues under DiLoCo and the reverse (parallel/sync/diloco.py converts it); the
-    # number of groups is checked against the checkpoint's own (check_groups), not against the config's 0 (by host).
+    # checkpoint of every-step sync continues under DiLoCo and the reverse, and one of G groups with another number of
+    # groups (a host lost or added: elastic membership); parallel/sync/diloco.py converts it.
     "parallel.outer_every", "parallel.outer_dtype", "parallel.sync", "parallel.groups",
     # A resumed run starts from its own checkpoint: where its first weights came from no longer matters.
     "train.init_from",
@@ -485,17 +484,6 @@ class Checkpoints:
 
     def close(self) -> None:
         self.manager.close()
-
-
-def check_groups(record: dict, groups: int | None) -> None:
-    """Refuse a DiLoCo checkpoint of another number of groups (their states do not map onto these)."""
-    saved = saved_groups(record)
-    if saved is not None and groups is not None and saved != groups:
-        raise ConfigError(
-            f"the checkpoint at step {record['step']} holds the states of {saved} DiLoCo groups, this run has "
-            f"{groups}: set parallel.groups={saved} (or run on as many hosts), or continue it with parallel.sync=step "
-            f"first (the round's parameters)"
-        )
 
 
 def check_param_shapes(record: dict, param_shapes) -> None:

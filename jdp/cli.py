@@ -54,6 +54,19 @@ def plan_arguments(parser: argparse.ArgumentParser) -> None:
     mfu.add_argument("--mfu", type=float, help=f"assumed model FLOPs utilisation (default {DEFAULT_MFU})")
     mfu.add_argument("--calibrate", metavar="RUN_DIR", help="use the median MFU measured in a run's metrics.jsonl")
     parser.add_argument("--json", action="store_true", help="also print the plan as one JSON line")
+    parser.add_argument("--slow-link", type=_slow_link, metavar="GBPS,MS", help="a slow link between groups of the "
+                        "devices (bandwidth in GB/s, one-way latency in ms): ddp across it against DiLoCo "
+                        "(parallel.sync, parallel.groups: default 2)")  # fmt: skip
+
+
+def _slow_link(text: str) -> tuple[float, float]:
+    try:
+        gbs, ms = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give GBPS,MS, e.g. 1,20 (1 GB/s, 20 ms one way)") from None
+    if not (gbs > 0 and ms >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: the bandwidth must be positive and the latency >= 0")
+    return gbs, ms
 
 
 def _device_ids(text: str) -> tuple[int, ...]:

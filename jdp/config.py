@@ -172,6 +172,12 @@ class ParallelConfig:
     outer_momentum: float = 0.9  # diloco: the outer SGD's Nesterov momentum (0: none)
     # diloco: how the groups' pseudo-gradients travel: float32, bfloat16, int8 or int4 (absmax per block of 256)
     outer_dtype: str = "float32"
+    # streaming (streaming DiLoCo): the model in F fragments (block b in fragment b mod F), each synced every
+    # outer_every steps at its own offset; its outer step lands outer_delay steps later (the exchange overlapping
+    # them), mixed into each group as outer_mix x its own + (1 - outer_mix) x the round's
+    fragments: int = 1
+    outer_delay: int = 0
+    outer_mix: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -428,17 +434,17 @@ RANGES = {
          "train.ckpt_keep", "train.step_timeout_s", "parallel.init_timeout_s", "parallel.heartbeat_timeout_s",
          "optim.lr", "optim.eps", "parallel.powersgd_rank", "model.norm_eps", "model.rope_theta", "model.rope_factor",
          "model.rope_low_freq_factor", "model.rope_high_freq_factor", "model.rope_original_max_len",
-         "model.remat_every", "parallel.outer_every", "parallel.outer_lr"],
+         "model.remat_every", "parallel.outer_every", "parallel.outer_lr", "parallel.fragments"],
         _POSITIVE,
     ),
     **dict.fromkeys(
         ["model.vocab_valid", "data.val_tokens", "data.prefetch", "data.num_proc", "train.eval_every", "train.ckpt_every",
          "train.max_bad_steps", "train.check_replicas_every", "optim.warmup_steps", "optim.weight_decay",
          "optim.grad_clip", "parallel.bucket_mb", "parallel.powersgd_warmup", "model.n_kv_heads", "model.d_ff",
-         "model.head_dim", "parallel.groups"],
+         "model.head_dim", "parallel.groups", "parallel.outer_delay"],
         _NON_NEGATIVE,
     ),
-    **dict.fromkeys(["optim.b1", "optim.b2", "optim.momentum", "parallel.outer_momentum"], _FRACTION),
+    **dict.fromkeys(["optim.b1", "optim.b2", "optim.momentum", "parallel.outer_momentum", "parallel.outer_mix"], _FRACTION),
     "optim.min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "parallel.powersgd_min_ratio": (lambda v: v >= 1, ">= 1 (compression must not grow a gradient)"),
 }  # fmt: skip

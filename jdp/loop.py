@@ -122,8 +122,8 @@ class Loop:
                         unit="step", dynamic_ncols=True, mininterval=1.0)  # fmt: skip
         self.loader = Prefetcher(lambda i: (run.data.local_batch(i), run.data.position()), run.start, t.steps,
                                  run.cfg.data.prefetch)  # fmt: skip
-        apart = sync.get(run.cfg.parallel.sync).apart(run.cfg.parallel)  # steps the groups may run apart
-        stop, run.phases.watchdog = StopAgreement(run.handle_signals, apart), Watchdog(t.step_timeout_s)
+        every, lag = sync.get(run.cfg.parallel.sync).apart(run.cfg.parallel)  # how far the groups may run apart
+        stop, run.phases.watchdog = StopAgreement(run.handle_signals, every, lag), Watchdog(t.step_timeout_s)
         loop_start = time.time()
         try:
             preempted = self.steps(stop)

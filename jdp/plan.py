@@ -57,7 +57,7 @@ from jdp.models.common import lm_loss
 from jdp.optim import make_optimizer
 from jdp.parallel import strategies, sync
 from jdp.parallel.buckets import bucket_plan
-from jdp.parallel.costs import WINDOWS, Buckets, Collectives, Memory, Traffic, ring_s, tree_bytes
+from jdp.parallel.costs import WINDOWS, Buckets, Collectives, Memory, Traffic, payload_bytes, ring_s, tree_bytes
 from jdp.parallel.remat import POLICIES, Remat
 from jdp.parallel.step import param_names
 from jdp.rundir import RunDir
@@ -417,6 +417,44 @@ class Fit:
 
 
 @dataclass(frozen=True)
+class Across:
+    """The devices split into groups joined by a slow link (--slow-link): ddp's step across it against DiLoCo's
+    (parallel.sync), each (what, step s, bytes across the link per step)."""
+
+    groups: int
+    gbs: float
+    latency_s: float
+    rows: tuple[tuple[str, float, float], ...]
+
+
+def across_slow_link(planner: Planner, n: int, per_device_batch: int, gbs: float, latency_ms: float) -> Across:
+    """ddp across the slow link: every bucket's ring all-reduce runs at the slow link's bandwidth (a ring is as
+    fast as its slowest link) and pays its one-way latency at each of its 2 (n - 1) steps, behind backward as ever.
+    DiLoCo: the inner step inside a group of n / G on the fast links, plus each sync's all-gather over the groups
+    (a group's pseudo-gradient payload, G - 1 of them, at the slow link's bandwidth, G - 1 latencies) once per H
+    steps; streamed, each of F fragments' exchanges hides behind parallel.outer_delay inner steps. A clean link: loss
+    and retransmits (docs/diloco.md measures a lossy one) come on top."""
+    p = planner.cfg.parallel
+    g = p.groups or 2
+    bw, lat = gbs * 1e9, latency_ms / 1e3
+    compute = planner.step(n, per_device_batch).compute_s
+    per_bucket = [ring_s("all-reduce", x, n, bw) + 2 * (n - 1) * lat for x in planner.bucket_bytes]
+    rows = [("ddp across the link", compute + exposed_comm_s(per_bucket, compute * 2 / 3),
+             2 * (n - 1) / n * sum(planner.bucket_bytes))]  # fmt: skip
+    inner = planner.step(max(n // g, 1), per_device_batch).step_s
+    f, d = getattr(p, "fragments", 1), getattr(p, "outer_delay", 0)
+    payload = payload_bytes(planner.n_params, p.outer_dtype)
+    for h in sorted({10, 50, 100, 500, p.outer_every}):
+        if h % f or d >= h // f:
+            continue
+        exchange = payload * (g - 1) / bw / f + (g - 1) * lat  # one fragment's
+        step = inner + f * max(0.0, exchange - d * inner) / h
+        what = f"DiLoCo H={h}" + (f", {f} fragments, delay {d}" if f > 1 or d else "") + f", {p.outer_dtype}"
+        rows.append((what, step, payload * (g - 1) / h))
+    return Across(g, gbs, lat, tuple(rows))
+
+
+@dataclass(frozen=True)
 class Plan:
     config: str
     gpu: str
@@ -439,6 +477,7 @@ class Plan:
     rings: tuple[Ring, ...] = ()  # the same, on their links
     assumed: tuple[str, ...] = ()  # what the plan took that the config did not say (planning_assumptions)
     fits: tuple[Fit, ...] = ()  # when no strategy fits at the requested N: what would, fastest first
+    across: Across | None = None  # --slow-link: ddp across it against DiLoCo
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -562,6 +601,7 @@ def make_plan(
     config_name: str = "",
     ns: tuple[int, ...] = SCALING_NS,
     assumed: tuple[str, ...] = (),
+    slow_link: tuple[float, float] | None = None,
 ) -> Plan:
     """The whole plan for `devices` GPUs: memory per device, the step at that N, and the scaling table."""
     if devices < 1:
@@ -622,6 +662,7 @@ def make_plan(
         rings=tuple(rings),
         assumed=tuple(assumed),
         fits=fits,
+        across=across_slow_link(planner, devices, b, *slow_link) if slow_link else None,
     )
 
 
@@ -781,6 +822,7 @@ def format_plan(plan: Plan, cfg: Config) -> str:
         "",
     ]
     lines += _strategy_lines(plan)
+    lines += _across_lines(plan)
     lines += _compression_lines(plan)
     if s.compute_bound_batch is not None:
         b = s.compute_bound_batch
@@ -866,6 +908,20 @@ def _strategy_lines(plan: Plan) -> list[str]:
         out.append("  none fits JAX's default pool at this batch, and no change jdp plans makes it fit: train a smaller "
                    "model (model.d_model, model.n_layers)")  # fmt: skip
     return [*out, ""]
+
+
+def _across_lines(plan: Plan) -> list[str]:
+    if (a := plan.across) is None:
+        return []
+    ddp_s, ddp_bytes = a.rows[0][1], a.rows[0][2]
+    lines = [
+        f"across a slow link between {a.groups} groups of {plan.devices // a.groups} (--slow-link: {a.gbs:g} GB/s, "
+        f"{a.latency_s * 1e3:g} ms one way, no loss), per step (parallel.sync, docs/diloco.md):"
+    ]
+    for what, step_s, nbytes in a.rows:
+        vs = f"  {ddp_s / step_s:5.1f}x faster, {ddp_bytes / nbytes:,.0f}x fewer bytes" if step_s != ddp_s else ""
+        lines.append(f"  {what:<44} {_ms(step_s):>9} ms   {_size(nbytes):>10} across the link{vs}")
+    return [*lines, ""]
 
 
 def _compression_lines(plan: Plan) -> list[str]:
@@ -959,6 +1015,7 @@ def run(args: argparse.Namespace) -> int:
         config_name=config,
         ns=tuple(sorted({*SCALING_NS, args.devices})),
         assumed=tuple(assumed),
+        slow_link=args.slow_link,
     )
     print(format_plan(plan, cfg))
     if args.json:

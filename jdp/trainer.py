@@ -30,7 +30,6 @@ from jdp.callbacks import Callback, Checkpoint, Evaluate, ReplicaCheck, imported
 from jdp.checkpoint import (
     Checkpoints,
     check_data,
-    check_groups,
     check_param_shapes,
     check_resumable,
     config_differences,
@@ -314,7 +313,6 @@ class Trainer:
         def check(record):
             check_resumable(record, cfg)
             check_param_shapes(record, steps.state.param_shapes())
-            check_groups(record, steps.groups)
             moving = steps.conversion(record) is not None
             if moving and parallel.layout_of(saved_layout(record)).flat:
                 raise ConfigError(
@@ -403,8 +401,8 @@ class Steps:
         """A restored state laid out for today's strategy and way of syncing, saying what moved."""
         if (ways := self.conversion(record)) is not None:
             state, what = ways.converted(state, self.mesh, self.groups is not None, self.par)
-            log.info(f"the checkpoint at step {record['step']} was saved with parallel.sync="
-                     f"{saved_sync(record)}: {what}")  # fmt: skip
+            log.info(f"the checkpoint at step {record['step']} was saved with parallel.sync={saved_sync(record)}"
+                     f"{f' and {g} groups' if (g := saved_groups(record)) else ''}: {what}")  # fmt: skip
         if (saved := parallel.layout_of(saved_layout(record))) != self.layout:
             if not saved.reads_into(self.layout):  # else it was read straight into today's layout
                 state = parallel.relayout(state, self.optimizer, self.mesh, self.strategy)

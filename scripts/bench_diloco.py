@@ -4,8 +4,8 @@ the loopback). Same config, steps and tokens for every variant; prints a table (
 the slow link per step, final eval loss) and writes it as JSON with a plot of eval loss against tokens and wall
 time (docs/diloco.md). Needs root (namespaces); every namespace and process it makes is removed on every path.
 
-    python scripts/bench_diloco.py                      # tiny, 300 steps: ddp, H=10, 50, 100, one host
-    python scripts/bench_diloco.py --config llama-tiny --steps 300 --out runs/bench-diloco-llama
+    python scripts/bench_diloco.py                      # tiny, 300 steps: one host, ddp, H=10, 50, 100, streaming
+    python scripts/bench_diloco.py --config llama-tiny --steps 1000 --skip-ddp --out runs/bench-diloco-llama
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from hosts import Hosts, unavailable  # noqa: E402
 from jdp.metrics import read_metrics  # noqa: E402
 
 PORT = 29500
-SMALL = "model.n_layers=2 model.d_model=64 model.max_seq_len=64 data.seq_len=64 train.batch_size=16"
+SMALL = "model.n_layers=4 model.d_model=64 model.max_seq_len=64 data.seq_len=64 train.batch_size=16"
 
 
 def launch(hosts: Hosts | None, i: int, run_dir: Path, argv: list[str], env: dict, nproc: int) -> subprocess.Popen:
@@ -88,11 +88,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--every", default="10,50,100", help="the H values of plain DiLoCo")
     ap.add_argument("--eval-every", type=int, default=50)
-    ap.add_argument("--dtype", default="int4", help="parallel.outer_dtype of the extra low-bandwidth variant")
+    ap.add_argument("--dtype", default="int4", help="parallel.outer_dtype of the low-bandwidth variants")
+    ap.add_argument("--fragments", type=int, default=4, help="streaming DiLoCo's fragments (at most the blocks)")
     ap.add_argument("--skip-ddp", action="store_true", help="leave out ddp across the slow link (the slowest)")
     ap.add_argument("--out", default="runs/bench-diloco")
     ap.add_argument("--set", default=SMALL, help="config overrides every variant shares (default: the small model "
-                    "tests/test_hosts.py trains, whose ddp step crosses the link in under a second)")
+                    "tests/test_hosts.py trains, with 4 blocks for 4 fragments)")
     args = ap.parse_args()
     if why := unavailable():
         raise SystemExit(f"this benchmark makes network namespaces: {why}")
@@ -111,6 +112,11 @@ def main() -> None:
     h = args.every.split(",")[-1]
     plan.append((f"DiLoCo H={h}, {args.dtype}", [*diloco, f"parallel.outer_every={h}",
                                                f"parallel.outer_dtype={args.dtype}"], "hosts"))  # fmt: skip
+    f = args.fragments
+    delay = min(5, int(h) // f - 1)
+    plan.append((f"streaming F={f} H={h} delay {delay}, {args.dtype}",
+                 ["parallel.sync=streaming", f"parallel.fragments={f}", f"parallel.outer_every={h}",
+                  f"parallel.outer_delay={delay}", f"parallel.outer_dtype={args.dtype}"], "hosts"))  # fmt: skip
     results = []
     for i, (name, extra, where) in enumerate(plan):
         run_dir = out / f"v{i}"

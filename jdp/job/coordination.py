@@ -217,15 +217,17 @@ class StopAgreement:
     part of it), so the proposal is b + 3, b the first sync after the proposer's step; and a process reads the
     store only 2 steps after each sync, when that sync has completed (so the proposer wrote before it): one read
     a round instead of one a step, which over a slow link is one round trip to the coordinator saved per step.
+    A sync whose result is used `lag` steps later (streaming DiLoCo's delayed outer step) moves both by `lag`.
     """
 
     MARGIN = 3
     KEY = "jdp/stop_after_step"
 
-    def __init__(self, handle_signals: bool = True, every: int = 1):
+    def __init__(self, handle_signals: bool = True, every: int = 1, lag: int = 0):
         """handle_signals=False: this process installs no handler (a library caller keeps its own), and stops only
-        where another process of the job proposed. every: the steps between the groups' syncs (1: every step)."""
-        self.every = every
+        where another process of the job proposed. every: the steps between the groups' syncs (1: every step); lag:
+        the steps after a sync that its result is first used."""
+        self.every, self.lag = every, lag
         self.stop_at: int | None = None
         self.signals = 0
         self._pending: int | None = None
@@ -245,7 +247,7 @@ class StopAgreement:
         kv = key_value_store()
         if self._pending is not None and self.stop_at is None:
             ahead = done if self.every == 1 else (done // self.every + 1) * self.every  # the next sync
-            proposal = ahead + (self.MARGIN if kv else 0)
+            proposal = ahead + (self.lag + self.MARGIN if kv else 0)
             name = signal.Signals(self._pending).name
             if kv:
                 try:
@@ -259,7 +261,7 @@ class StopAgreement:
             )
             if not kv:
                 self.stop_at = proposal
-        due = self.every <= 2 or done % self.every == 2
+        due = self.every <= 2 or done % self.every == (self.lag + 2) % self.every
         if kv and due and self.stop_at is None and (agreed := kv.try_get(self.KEY)) is not None:
             self.stop_at = step_value(self.KEY, agreed)
             if self.stop_at is not None and self.stop_at < done:  # jdp proposes steps nobody has passed yet

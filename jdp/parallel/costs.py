@@ -16,7 +16,18 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-__all__ = ["KINDS", "WINDOWS", "Buckets", "Collectives", "Memory", "Traffic", "ring_s", "tree_bytes"]
+__all__ = [
+    "BLOCK",
+    "KINDS",
+    "WINDOWS",
+    "Buckets",
+    "Collectives",
+    "Memory",
+    "Traffic",
+    "payload_bytes",
+    "ring_s",
+    "tree_bytes",
+]
 
 KINDS = ("all-reduce", "reduce-scatter", "all-gather")
 WINDOWS = ("forward", "backward")  # the compute a collective may run behind
@@ -37,6 +48,16 @@ def ring_s(kind: str, nbytes: float, n: int, busbw: float) -> float:
         return 0.0
     share = 2 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
     return share * nbytes / busbw
+
+
+BLOCK = 256  # numbers that share one scale in DiLoCo's 8- and 4-bit pseudo-gradients (per-block absmax)
+
+
+def payload_bytes(n_numbers: int, dtype: str) -> int:
+    """The bytes a DiLoCo pseudo-gradient of `n_numbers` numbers travels as (parallel.outer_dtype `dtype`)."""
+    blocks = -(-n_numbers // BLOCK)
+    per_block = {"float32": 4 * BLOCK, "bfloat16": 2 * BLOCK, "int8": BLOCK + 4, "int4": BLOCK // 2 + 4}[dtype]
+    return blocks * per_block
 
 
 @dataclass(frozen=True)

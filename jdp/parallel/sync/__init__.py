@@ -38,21 +38,30 @@ class Sync:
             return ""
         groups = f"{parallel.groups} groups" if parallel.groups else "a group per host"
         momentum = f", Nesterov {parallel.outer_momentum:g}" if parallel.outer_momentum else ""
+        streamed = ""
+        if "fragments" in self.options:
+            streamed = (
+                f"; {parallel.fragments} fragments, each outer step landing {parallel.outer_delay} steps later "
+                f"(mix {parallel.outer_mix:g})"
+            )
         return (
             f"parallel.sync={self.name}: {groups}, synced every {parallel.outer_every} steps (outer SGD lr "
-            f"{parallel.outer_lr:g}{momentum}), pseudo-gradients as {parallel.outer_dtype}"
+            f"{parallel.outer_lr:g}{momentum}), pseudo-gradients as {parallel.outer_dtype}{streamed}"
         )
 
     def extra_bytes(self, parallel: Any, params: int) -> tuple[int, int]:
         """(parameter, optimizer state) bytes one device holds beyond its strategy's, whose are then each group's:
-        DiLoCo's round parameters and its outer momentum (float32 parameters: as many bytes again each)."""
+        DiLoCo's round parameters and its outer momentum buffers (float32 parameters: as many bytes again each)."""
         if "outer_every" not in self.options:
             return 0, 0
-        return params, params if parallel.outer_momentum else 0
+        return params, params
 
-    def apart(self, parallel: Any) -> int:
-        """How many steps the groups may run apart: 1 (every step agrees), or the steps between syncs."""
-        return parallel.outer_every if "outer_every" in self.options else 1
+    def apart(self, parallel: Any) -> tuple[int, int]:
+        """(every, lag): the groups meet every `every` steps (1: every step agrees), and a meeting's result is needed
+        `lag` steps later (a streamed outer step's delay): a group can run up to every + lag + 2 steps ahead."""
+        if "outer_every" not in self.options:
+            return 1, 0
+        return parallel.outer_every, getattr(parallel, "outer_delay", 0) if "outer_delay" in self.options else 0
 
     def problems(self, parallel: Any, train: Any, n_devices: int) -> list[str]:
         """What is wrong with running it as `parallel` (the config's section) on `n_devices` devices."""
@@ -80,6 +89,17 @@ class Sync:
                     f"parallel.groups={g} does not split the {n_devices} devices into equal groups: use one of "
                     f"{fits} (0: one group per host)"
                 )
+            f, h, d = getattr(parallel, "fragments", 1), parallel.outer_every, getattr(parallel, "outer_delay", 0)
+            if h % f:
+                out.append(
+                    f"parallel.fragments={f} must divide parallel.outer_every={h} (each fragment syncs every {h} "
+                    f"steps, the fragments evenly spread over them): use outer_every={h // f * f or f} or a divisor"
+                )
+            elif d >= h // f:
+                out.append(
+                    f"parallel.outer_delay={d} must be below parallel.outer_every / parallel.fragments = {h // f}: a "
+                    f"fragment's outer step must land before the next fragment's sync"
+                )
             if parallel.compression != "none":
                 out.append(
                     f"parallel.compression={parallel.compression} compresses every step's gradients; with "
@@ -88,6 +108,8 @@ class Sync:
                 )
         return out
 
+
+DILOCO = ("groups", "outer_every", "outer_lr", "outer_momentum", "outer_dtype")
 
 REGISTRY: dict[str, Sync] = {
     s.name: s
@@ -98,7 +120,15 @@ REGISTRY: dict[str, Sync] = {
             "jdp.parallel.sync.diloco",
             "groups of devices train apart for parallel.outer_every steps, then average their pseudo-gradients and "
             "take one outer Nesterov step (DiLoCo)",
-            options=("groups", "outer_every", "outer_lr", "outer_momentum", "outer_dtype"),
+            options=DILOCO,
+            strategies=("ddp",),
+        ),
+        Sync(
+            "streaming",
+            "jdp.parallel.sync.diloco",
+            "DiLoCo with the model in parallel.fragments fragments synced at staggered steps, each outer step landing "
+            "parallel.outer_delay steps later (Streaming DiLoCo)",
+            options=(*DILOCO, "fragments", "outer_delay", "outer_mix"),
             strategies=("ddp",),
         ),
     )

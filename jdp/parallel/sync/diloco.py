@@ -21,23 +21,25 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
+from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jdp.errors import ConfigError
+from jdp.parallel.costs import BLOCK, payload_bytes
 from jdp.parallel.guards import RefusingDonated, check_batch
 from jdp.parallel.mesh import AXIS
-from jdp.parallel.step import TrainState, global_grads, update
+from jdp.parallel.step import TrainState, global_grads, param_names, update
 
 __all__ = ["GROUP", "assemble", "host_groups", "make_mesh", "make_train_step", "mesh", "outer_optimizer"]
 
 GROUP = "group"
-BLOCK = 256  # elements that share one scale in the 8- and 4-bit encodings (per-block absmax)
 
 
 def make_mesh(groups: int, devices: list | None = None) -> jax.sharding.Mesh:
@@ -72,13 +74,29 @@ def mesh(par) -> jax.sharding.Mesh:
     return make_mesh(groups if jax.device_count() % groups == 0 else 1)
 
 
-def outer_optimizer(lr: float, momentum: float) -> optax.GradientTransformation:
-    """SGD with Nesterov momentum, as torch.optim.SGD(nesterov=True) and the paper: buf = m buf + g; p -= lr (g +
-    m buf). momentum 0: plain SGD (lr 1: the groups' average)."""
-    return optax.sgd(lr, momentum=momentum or None, nesterov=bool(momentum))
+@dataclass(frozen=True)
+class Outer:
+    """The outer optimizer: SGD with Nesterov momentum, as torch.optim.SGD(nesterov=True) and the paper: buf = m buf
+    + g; p -= lr (g + m buf); momentum 0: p -= lr g (lr 1: the groups' average). Its state is the momentum buffers,
+    float32, shaped as the parameters, so that a fragment updates its own leaves only (streaming)."""
+
+    lr: float
+    momentum: float
+
+    def init(self, params):
+        return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+
+    def step(self, theta, grad, buf):
+        """One leaf, float32: (new parameter, new buffer)."""
+        buf = self.momentum * buf + grad
+        return theta - self.lr * (grad + self.momentum * buf), buf
 
 
-def init(state: TrainState, mesh: jax.sharding.Mesh, outer: optax.GradientTransformation) -> TrainState:
+def outer_optimizer(lr: float, momentum: float) -> Outer:
+    return Outer(float(lr), float(momentum))
+
+
+def init(state: TrainState, mesh: jax.sharding.Mesh, outer: Outer) -> TrainState:
     """A strategy's fresh state (replicated over the mesh) as DiLoCo's: every group's copy of it, the round's
     parameters and the outer optimizer's state."""
     g = mesh.shape[GROUP]
@@ -121,13 +139,6 @@ def _decode(payload, dtype: str):
     return (q.astype(jnp.float32) * scale[:, None]).reshape(-1)
 
 
-def payload_bytes(n_elements: int, dtype: str) -> int:
-    """The bytes one pseudo-gradient of `n_elements` numbers travels as."""
-    blocks = math.ceil(n_elements / BLOCK)
-    per = {"float32": 4 * BLOCK, "bfloat16": 2 * BLOCK, "int8": BLOCK + 4, "int4": BLOCK // 2 + 4}[dtype]
-    return blocks * per
-
-
 # -- the two programs ---------------------------------------------------------------------------------------------
 
 
@@ -155,21 +166,37 @@ def make_inner_step(graphdef, loss_fn, optimizer, mesh, grad_accum: int, schedul
     return jax.jit(step, donate_argnums=(0, 1))
 
 
-def make_outer_step(mesh, outer: optax.GradientTransformation, dtype: str):
-    """(groups' params, groups' rest, round params, outer state) -> (the groups' new params, their rest, the new
-    round params, outer state, rest, metrics). Each device encodes its 1/n slice of its group's pseudo-gradient,
-    all-gathers it over `group` (the one collective across groups), decodes and averages the G slices in a fixed
-    order (so every device computes the same bits), and the slices are all-gathered over `data` (inside a group)."""
+def fragments(names: list[str], n: int, every: int) -> list[tuple[tuple[int, ...], int]]:
+    """Streaming DiLoCo's fragments: (leaf indices, offset) each. Block b's leaves (the first number in a leaf's
+    name: blocks.3.attn..., layers.3...) are fragment b mod n, strided as the paper's; the leaves of no block
+    (embeddings, the final norm, an untied head) fragment 0. Fragment f syncs at the steps s with s mod H = its offset,
+    (f + 1) H / n mod H: evenly spread over the round, the last at its end (n = 1: every H steps, plain DiLoCo)."""
+    blocks = [re.search(r"(?:^|\.)(\d+)(?:\.|$)", name) for name in names]
+    owner = [int(b.group(1)) % n if b else 0 for b in blocks]
+    out = [(tuple(k for k, f in enumerate(owner) if f == i), (i + 1) * (every // n) % every) for i in range(n)]
+    if empty := [i for i, (leaves, _) in enumerate(out) if not leaves]:
+        raise ConfigError(
+            f"parallel.fragments={n}: fragments {empty} hold no parameters (the model's blocks are numbered "
+            f"{sorted({int(b.group(1)) for b in blocks if b})}); use at most as many fragments as blocks"
+        )
+    return out
+
+
+def make_outer_step(mesh, outer: Outer, dtype: str, leaves: tuple[int, ...], write: bool, rest_too: bool):
+    """(groups' params, groups' rest, round params, outer state) -> (the groups' params, their rest, the round params,
+    outer state, rest, metrics) for the parameter leaves `leaves` (a fragment; every leaf for plain DiLoCo). Each
+    device encodes its 1/n slice of its group's pseudo-gradient, all-gathers it over `group` (the one collective
+    across groups), decodes and averages the G slices in a fixed order (so every device computes the same bits),
+    and the slices are all-gathered over `data` (inside a group). write: the groups restart from the new round's
+    values now (else later, `make_mix`); rest_too: the groups' other variables averaged too."""
     g, n = mesh.shape[GROUP], mesh.shape[AXIS]
 
-    def one(inner_params, inner_rest, theta, outer_state):
-        x = jax.tree.map(lambda v: v[0], inner_params)
-        leaves, tree = jax.tree.flatten(theta)
+    def one(inner_params, inner_rest, theta, buf):
+        flat_x, tree = jax.tree.flatten(inner_params)
+        flat_t, flat_b = jax.tree.leaves(theta), jax.tree.leaves(buf)
+        mine_t = [flat_t[k] for k in leaves]
         delta = jnp.concatenate(
-            [
-                (t.astype(jnp.float32) - v.astype(jnp.float32)).ravel()
-                for t, v in zip(leaves, jax.tree.leaves(x), strict=True)
-            ]
+            [(flat_t[k].astype(jnp.float32) - flat_x[k][0].astype(jnp.float32)).ravel() for k in leaves]
         )
         size = delta.size
         chunk = -(-size // (n * BLOCK)) * BLOCK
@@ -188,21 +215,24 @@ def make_outer_step(mesh, outer: optax.GradientTransformation, dtype: str):
         spread, err, norm2 = jax.lax.psum(jnp.stack([spread, err, norm2]), AXIS)
         err, norm2 = jax.lax.psum(jnp.stack([err, norm2]), GROUP)
         full = jax.lax.all_gather(mean, AXIS, tiled=True)[:size]
-        offsets = np.cumsum([0] + [leaf.size for leaf in leaves])
-        avg = jax.tree.unflatten(tree, [full[a:b].reshape(leaf.shape) for a, b, leaf in
-                                        zip(offsets[:-1], offsets[1:], leaves, strict=True)])  # fmt: skip
-        theta32 = jax.tree.map(lambda t: t.astype(jnp.float32), theta)
-        updates, outer_state = outer.update(avg, outer_state, theta32)
-        new = jax.tree.map(lambda t, u, o: (t + u).astype(o.dtype), theta32, updates, theta)
+        offsets = np.cumsum([0] + [t.size for t in mine_t])
+        avg = [full[a:b].reshape(t.shape) for a, b, t in zip(offsets[:-1], offsets[1:], mine_t, strict=True)]
+        new_x, new_t, new_b = list(flat_x), list(flat_t), list(flat_b)
+        for k, t, gr in zip(leaves, mine_t, avg, strict=True):
+            p, new_b[k] = outer.step(t.astype(jnp.float32), gr, flat_b[k])
+            new_t[k] = p.astype(t.dtype)
+            if write:
+                new_x[k] = new_t[k][None]
+        unflat = lambda v: jax.tree.unflatten(tree, v)  # noqa: E731
         rest = jax.tree.map(lambda r: jax.lax.pmean(r[0], GROUP) if jnp.issubdtype(r.dtype, jnp.inexact) else r[0],
                             inner_rest)  # fmt: skip
+        rest_g = jax.tree.map(lambda v: v[None], rest) if rest_too else inner_rest
         metrics = {
-            "outer_grad_norm": optax.tree.norm(avg),
+            "outer_grad_norm": jnp.sqrt(sum(jnp.sum(jnp.square(a)) for a in avg)),
             "outer_divergence": jnp.sqrt(spread / g),  # RMS over the groups of |pseudo-gradient - their mean|
             "outer_quant_error": jnp.sqrt(err / jnp.maximum(norm2, 1e-30)),  # |decoded - sent| / |sent|
         }
-        stack = lambda t: jax.tree.map(lambda v: v[None], t)  # noqa: E731
-        return stack(new), stack(rest), new, outer_state, rest, metrics
+        return unflat(new_x), rest_g, unflat(new_t), unflat(new_b), rest, metrics
 
     # check_vma=False: the results are the same on every device (each computes them from the same gathered bytes in
     # the same order), which shard_map cannot see through the all-gathers.
@@ -211,15 +241,44 @@ def make_outer_step(mesh, outer: optax.GradientTransformation, dtype: str):
     return jax.jit(sharded, donate_argnums=(0, 1, 2, 3))
 
 
-class Step:
-    """DiLoCo's train step: the inner step, and after every H-th step the outer step. Its metrics are this
-    process's groups' (the loss their tokens' mean), so no number crosses groups between syncs; a sync's step
-    adds the outer metrics and `outer_bytes_per_step` (what each group receives across the slow link per step)."""
+def make_mix(mesh, leaves: tuple[int, ...], alpha: float):
+    """(groups' params, round params) -> the groups' params with the leaves `leaves` set to alpha x theirs + (1 -
+    alpha) x the round's (streaming DiLoCo's delayed outer step landing; alpha 0: the round's exactly)."""
 
-    def __init__(self, inner, outer, every: int, mesh, n_params: int, dtype: str, grad_accum: int):
-        self.inner, self.outer, self.every, self.mesh, self.grad_accum = inner, outer, every, mesh, grad_accum
+    def one(inner_params, theta):
+        flat_x, tree = jax.tree.flatten(inner_params)
+        flat_t = jax.tree.leaves(theta)
+        for k in leaves:
+            t = flat_t[k][None]
+            mixed = alpha * flat_x[k].astype(jnp.float32) + (1 - alpha) * t.astype(jnp.float32)
+            flat_x[k] = t if alpha == 0 else mixed.astype(t.dtype)
+        return jax.tree.unflatten(tree, flat_x)
+
+    sharded = jax.shard_map(one, mesh=mesh, in_specs=(P(GROUP), P()), out_specs=P(GROUP), check_vma=False)
+    return jax.jit(sharded, donate_argnums=(0,))
+
+
+class Step:
+    """DiLoCo's train step: the inner step, then each fragment's outer step at its offset of every H steps (one
+    fragment, at the end of each round: plain DiLoCo), and with a delay of D steps, D steps later the mix of the
+    fragment's new round values into the groups. Its metrics are this process's groups' (the loss their tokens'
+    mean), so no number crosses groups between syncs; a sync's step adds the outer metrics and
+    `outer_bytes_per_step` (what each group receives across the slow link per step, averaged over the round)."""
+
+    def __init__(self, inner, mesh, par, names: list[str], sizes: list[int], grad_accum: int):
+        self.inner, self.mesh, self.grad_accum, self.every = inner, mesh, grad_accum, par.outer_every
+        self.delay = getattr(par, "outer_delay", 0)
+        n = getattr(par, "fragments", 1)
+        self.fragments = fragments(names, n, self.every)
+        outer = outer_optimizer(par.outer_lr, par.outer_momentum)
+        last = max(range(n), key=lambda f: self.fragments[f][1] == 0)  # the one at the end of the round
+        self.outer = [make_outer_step(mesh, outer, par.outer_dtype, leaves, not self.delay, f == last)
+                      for f, (leaves, _) in enumerate(self.fragments)]  # fmt: skip
+        self.mix = [make_mix(mesh, leaves, getattr(par, "outer_mix", 0.0)) for leaves, _ in self.fragments]
         g = mesh.shape[GROUP]
-        self.bytes_per_step = payload_bytes(n_params, dtype) * (g - 1) / every
+        payload = sum(payload_bytes(sum(sizes[k] for k in leaves), par.outer_dtype) for leaves, _ in self.fragments)
+        self.bytes_per_step = payload * (g - 1) / self.every
+        self.streaming = n > 1 or self.delay > 0
         self.at: int | None = None  # the host's count of the state's step (read once, then followed)
         self.last = None  # the step array this object returned last
 
@@ -233,12 +292,21 @@ class Step:
         self.at, self.last = self.at + 1, step
         state = dataclasses.replace(state, step=step, inner=inner)
         metrics = _local(per_group)
-        if self.at % self.every == 0:
-            params, rest_g, theta, opt_state, rest, outer = self.outer(inner["params"], inner["rest"], state.params,
-                                                                       state.opt_state)  # fmt: skip
+        for f, (_, offset) in enumerate(self.fragments):
+            if self.delay and self.at > self.delay and (self.at - self.delay) % self.every == offset:
+                mixed = self.mix[f](state.inner["params"], state.params)
+                state = dataclasses.replace(state, inner={**state.inner, "params": mixed})
+        for f, (_, offset) in enumerate(self.fragments):
+            if self.at % self.every != offset:
+                continue
+            inner = state.inner
+            params, rest_g, theta, opt_state, rest, outer = self.outer[f](inner["params"], inner["rest"],
+                                                                          state.params, state.opt_state)  # fmt: skip
             inner = {**inner, "params": params, "rest": rest_g}
             state = dataclasses.replace(state, params=theta, opt_state=opt_state, rest=rest, inner=inner)
             metrics.update(outer, outer_bytes_per_step=jnp.float32(self.bytes_per_step))
+            if self.streaming:
+                metrics["outer_fragment"] = jnp.float32(f)
         return state, metrics
 
 
@@ -263,18 +331,18 @@ def _local(per_group: dict) -> dict:
     return out
 
 
-def make_train_step(graphdef, loss_fn, optimizer, mesh, grad_accum: int, schedule, par, n_params: int) -> Any:
+def make_train_step(graphdef, loss_fn, optimizer, mesh, grad_accum: int, schedule, par, params) -> Any:
+    """DiLoCo's train step for the parameters `params` (their names place them in fragments)."""
     inner = make_inner_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, par.bucket_mb,
                             par.reduce_dtype)  # fmt: skip
-    outer = make_outer_step(mesh, outer_optimizer(par.outer_lr, par.outer_momentum), par.outer_dtype)
-    return RefusingDonated(Step(inner, outer, par.outer_every, mesh, n_params, par.outer_dtype, grad_accum))
+    sizes = [math.prod(x.shape) for x in jax.tree.leaves(params)]
+    return RefusingDonated(Step(inner, mesh, par, param_names(params), sizes, grad_accum))
 
 
 def assemble(graphdef, state: TrainState, loss_fn, optimizer, mesh, par, grad_accum: int, schedule):
     """(state, train step) of DiLoCo from a ddp state made on the (`group`, `data`) mesh (parallelize.assemble)."""
-    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
-    state = init(state, mesh, outer_optimizer(par.outer_lr, par.outer_momentum))
-    return state, make_train_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, par, n_params)
+    step = make_train_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, par, state.params)
+    return init(state, mesh, outer_optimizer(par.outer_lr, par.outer_momentum)), step
 
 
 # -- checkpoints of every-step sync, continued under DiLoCo, and the reverse ---------------------------------------
@@ -307,19 +375,26 @@ def restore_like(state: TrainState, optimizer, mesh, saved_groups: int | None, s
 
 
 def converted(state: TrainState, mesh, diloco_today: bool, par) -> tuple[TrainState, str]:
-    """A restored checkpoint of the other kind as today's state, and what was done, in words. To DiLoCo: every group
-    starts from the checkpoint's parameters and optimizer state, the outer momentum from zero. From DiLoCo: the
-    round's parameters (the last sync's), the optimizer state the groups' average (AdamW's moments; counts are the
-    same in every group), the outer momentum dropped."""
-    if diloco_today:
-        outer = outer_optimizer(par.outer_lr, par.outer_momentum)
-        fresh = init(dataclasses.replace(state, inner=None), mesh, outer)
+    """A restored checkpoint of another kind as today's state, and what was done, in words. From every-step sync to
+    DiLoCo: every group starts from the checkpoint's parameters and optimizer state, the outer momentum from zero.
+    From DiLoCo: the round's parameters (the last sync's), the optimizer state the groups' average (AdamW's moments;
+    counts are the same in every group); to ddp the outer momentum is dropped, to DiLoCo with another number of
+    groups (a host lost or added: elastic membership) it is kept and every group starts from the round."""
+    outer = outer_optimizer(par.outer_lr, par.outer_momentum) if diloco_today else None
+    if state.inner is None:
+        fresh = init(state, mesh, outer)
         return fresh, "every group starts from the checkpoint's parameters and optimizer state; outer momentum zero"
     everywhere = NamedSharding(mesh, P())
     mean = lambda x: jnp.mean(x, axis=0).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x[0]  # noqa: E731
     opt_state = jax.jit(lambda t: jax.tree.map(mean, t), out_shardings=everywhere)(state.inner["opt_state"])
     g = groups_of(state)
-    return dataclasses.replace(state, opt_state=opt_state, inner=None), (
-        f"the round's parameters, the optimizer state averaged over the checkpoint's {g} groups (DiLoCo's outer "
-        f"momentum is dropped)"
+    averaged = f"the optimizer state averaged over the checkpoint's {g} groups"
+    if not diloco_today:
+        state = dataclasses.replace(state, opt_state=opt_state, inner=None)
+        return state, f"the round's parameters, {averaged} (DiLoCo's outer momentum is dropped)"
+    momentum = state.opt_state
+    fresh = init(dataclasses.replace(state, opt_state=opt_state, inner=None), mesh, outer)
+    return dataclasses.replace(fresh, opt_state=momentum), (
+        f"{mesh.shape[GROUP]} groups now: every group starts from the round's parameters and {averaged}; the outer "
+        f"momentum goes on"
     )
