@@ -384,3 +384,20 @@ def test_the_library_trainer_runs_a_users_model_under_diloco(tmp_path):
     assert last < 0.7 * first
     model_leaves = leaves(nnx.state(result["model"], nnx.Param))
     assert all(np.array_equal(a, b) for a, b in zip(model_leaves, leaves(result["state"].params), strict=True))
+
+
+def test_sigterm_to_one_process_holding_every_group_stops_at_once(tmp_path, cache):
+    """One process holds both groups, which run in step: a SIGTERM during the save of step 2 stops the run right
+    there (as without groups), not at the next sync 8 steps on."""
+    import json
+
+    env, override = inject.register({**os.environ, "JDP_CACHE": str(cache)}, JDP_TEST_TERM="2:save")
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    args = ["train", "tiny", f"train.run_dir={tmp_path}", "train.steps=20", "train.ckpt_every=2", "train.log_every=1",
+            "train.progress=false", "train.eval_every=0", "parallel.sync=diloco", "parallel.groups=2",
+            "parallel.outer_every=8", override]  # fmt: skip
+    out = subprocess.run([sys.executable, "-m", "jdp.cli", *args], env=env, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    stopped = json.loads((tmp_path / "summary.json").read_text())
+    assert stopped["preempted"] and stopped["steps"] <= 3, stopped["steps"]

@@ -81,6 +81,7 @@ KV_WORKER = textwrap.dedent(
     stop = StopAgreement()
     watchdog = Watchdog(3600)
     watchdog.progress(5 + me)
+    watchdog.publish()  # what its thread does within a second of a step (not on the step's path)
     multihost_utils.sync_global_devices("progress")
     out = {
         "values": kv.dir_get("test/"),

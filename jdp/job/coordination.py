@@ -246,7 +246,8 @@ class StopAgreement:
         """Called before each step with the number of steps done: True once the agreed step is reached."""
         kv = key_value_store()
         if self._pending is not None and self.stop_at is None:
-            ahead = done if self.every == 1 else (done // self.every + 1) * self.every  # the next sync
+            # one process holds every group: they run in step, nothing to wait for
+            ahead = done if self.every == 1 or not kv else (done // self.every + 1) * self.every  # the next sync
             proposal = ahead + (self.lag + self.MARGIN if kv else 0)
             name = signal.Signals(self._pending).name
             if kv:
@@ -299,7 +300,8 @@ class Watchdog:
         a round trip to the coordinator each step would cost a step its latency over a slow link."""
         self.step, self.last, self.armed = step, time.monotonic(), True
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
+        """Record this process's last finished step in the key-value store (the watchdog's thread does, each second)."""
         if self.step != self.published and (kv := key_value_store()):
             step = self.step
             kv.set(f"{self.PREFIX}{jax.process_index()}", str(step), overwrite=True)
@@ -318,7 +320,7 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stop.wait(1.0):
             try:
-                self._publish()
+                self.publish()
             except Exception:
                 pass  # the coordinator unreachable: the heartbeat and the timeout below speak for it
             if self.armed and time.monotonic() - self.last > self.timeout_s:

@@ -12,9 +12,12 @@ those, bit-identical; each keeps its own inner optimizer state (AdamW's moments 
 The state is a TrainState whose `params`, `opt_state` and `rest` are the round's (the model every group agreed on:
 what evaluation, checkpoints' model and params_sha256 see) and the outer optimizer's state, and whose `inner` holds
 each group's parameters, optimizer state and variables with a leading axis of the groups, split over the mesh's
-`group` axis. Two programs: the inner step (every step, collectives over `data` only) and the outer step (every H
-steps, the only one that crosses groups). The outer all-gather moves each device's 1/n slice of the pseudo-gradient
-(n: the devices of a group), so a group sends one model's payload across the slow link per sync, not n.
+`group` axis. Programs: the inner step (every step, collectives over `data` only) and each fragment's outer step
+(every H steps at the fragment's offset, the only one that crosses groups; one fragment, at the round's end, for
+plain DiLoCo), and for Streaming DiLoCo (Douillard et al. 2025; `parallel.sync=streaming`) each fragment's mix, the
+outer step landing `parallel.outer_delay` steps after its sync. The outer all-gather moves each device's 1/n slice
+of the pseudo-gradient (n: the devices of a group), so a group sends one model's payload across the slow link per
+round, not n.
 """
 
 from __future__ import annotations
