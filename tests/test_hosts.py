@@ -4,6 +4,7 @@ address, the coordinator reached over the bridge, the CPU collectives (gloo) bet
 Skipped, with the reason printed, where namespaces cannot be made (not root)."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -161,7 +162,9 @@ def test_a_partitioned_host_stops_on_both_sides_within_the_bound_and_the_rerun_r
     assert all(c not in (0, None) for c in codes), "\n\n".join(log[-2500:] for log in logs)
     assert seconds <= BOUND_S, (seconds, "\n\n".join(log[-2500:] for log in logs))
     assert left == [[], []], left
-    assert "lost processes 2, 3 (node 1)" in logs[0], logs[0][-3000:]
+    # JAX names the tasks whose heartbeats it found missing at its first check: both of host 1's, or the first of
+    # them when their last heartbeats fell either side of a check (seen once in CI: "lost process 2 (node 1)")
+    assert re.search(r"lost process(es 2, 3| 2| 3) \(node 1\)", logs[0]), logs[0][-3000:]
     assert "this worker lost the job's coordinator" in logs[1], logs[1][-3000:]
 
 
