@@ -41,7 +41,6 @@ from jdp.checkpoint import (
     saved_fingerprint,
     saved_groups,
     saved_layout,
-    saved_parallel,
     saved_sync,
 )
 from jdp.config import Config, ConfigError, Derived, save_config, validate
@@ -368,7 +367,7 @@ class Steps:
     @property
     def groups(self) -> int | None:
         """How many DiLoCo groups' states the state holds (None: every step agrees)."""
-        return None if self.state.inner is None else int(jax.tree.leaves(self.state.inner)[0].shape[0])
+        return self.state.groups()
 
     def conversion(self, record: dict):
         """The sync module that moves this checkpoint's state to today's way of syncing; None when it is today's."""
@@ -391,8 +390,7 @@ class Steps:
         count; the hook's saved state is read only into the same hook on as many devices (else it starts afresh); a
         checkpoint of another way of syncing (DiLoCo's, or every step's for DiLoCo) as it was saved."""
         if (ways := self.conversion(record)) is not None:
-            saved = saved_parallel(record)
-            return ways.restore_like(self.state, self.optimizer, self.mesh, saved_groups(record), saved)
+            return ways.restore_like(self.state, self.optimizer, self.mesh, saved_groups(record))
         like = parallel.restore_target(self.state, self.optimizer, self.mesh, self.strategy,
                                        parallel.layout_of(saved_layout(record)))  # fmt: skip
         return like if saved_comm(record) == self.comm else dataclasses.replace(like, comm=None)

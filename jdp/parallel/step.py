@@ -73,6 +73,10 @@ class TrainState:
     # round's parameters (the model every group agreed on at the last sync) and the outer optimizer's state.
     inner: Any = None
 
+    def groups(self) -> int | None:
+        """How many DiLoCo groups' states it holds (`inner`'s leading axis); None when every step agrees."""
+        return None if self.inner is None else int(jax.tree.leaves(self.inner)[0].shape[0])
+
     def param_shapes(self):
         """The parameters' own shapes and dtypes (without fsdp's padding), as a tree shaped like `params`."""
         if self.shapes is None:

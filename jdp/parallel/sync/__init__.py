@@ -6,8 +6,8 @@ host) that train apart with the strategy's step inside each group and agree only
 DiLoCo's outer step over the groups' pseudo-gradients, for groups joined by a slow link (docs/diloco.md).
 
 A way's module has `mesh(par)` (the devices and their groups), `assemble(...)` (the state and steps, as
-parallelize.assemble) and `checkpoint_items(state)`; its entry below holds what the config asks without JAX. Nothing
-outside this package compares their names.
+parallelize.assemble), and `restore_like(...)` and `converted(...)` (a checkpoint of another way read and moved to
+it); its entry below holds what the config asks without JAX. Nothing outside this package compares their names.
 """
 
 from __future__ import annotations

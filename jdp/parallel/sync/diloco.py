@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from jdp.errors import ConfigError
 from jdp.parallel.costs import BLOCK, payload_bytes
-from jdp.parallel.guards import RefusingDonated, check_batch
+from jdp.parallel.guards import RefusingDonated, checking_rows
 from jdp.parallel.mesh import AXIS
 from jdp.parallel.step import TrainState, global_grads, param_names, update
 
@@ -166,7 +166,7 @@ def make_inner_step(graphdef, loss_fn, optimizer, mesh, grad_accum: int, schedul
         new, metrics = sharded(inner, step, batch)
         return new, step + 1, metrics
 
-    return jax.jit(step, donate_argnums=(0, 1))
+    return jax.jit(checking_rows(step, mesh.devices.size, grad_accum), donate_argnums=(0, 1))
 
 
 def fragments(names: list[str], n: int, every: int) -> list[tuple[tuple[int, ...], int]]:
@@ -268,8 +268,8 @@ class Step:
     mean), so no number crosses groups between syncs; a sync's step adds the outer metrics and
     `outer_bytes_per_step` (what each group receives across the slow link per step, averaged over the round)."""
 
-    def __init__(self, inner, mesh, par, names: list[str], sizes: list[int], grad_accum: int):
-        self.inner, self.mesh, self.grad_accum, self.every = inner, mesh, grad_accum, par.outer_every
+    def __init__(self, inner, mesh, par, names: list[str], sizes: list[int]):
+        self.inner, self.mesh, self.every = inner, mesh, par.outer_every
         self.delay = getattr(par, "outer_delay", 0)
         n = getattr(par, "fragments", 1)
         self.fragments = fragments(names, n, self.every)
@@ -288,7 +288,6 @@ class Step:
     def __call__(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         if state.inner is None:
             raise ValueError("this state has no groups' state: build it with parallel.assemble(..., par.sync=diloco)")
-        check_batch(batch, self.mesh.devices.size, self.grad_accum, "train step")
         if state.step is not self.last:
             self.at = int(jax.device_get(state.step))
         inner, step, per_group = self.inner(state.inner, state.step, batch)
@@ -339,7 +338,7 @@ def make_train_step(graphdef, loss_fn, optimizer, mesh, grad_accum: int, schedul
     inner = make_inner_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, par.bucket_mb,
                             par.reduce_dtype)  # fmt: skip
     sizes = [math.prod(x.shape) for x in jax.tree.leaves(params)]
-    return RefusingDonated(Step(inner, mesh, par, param_names(params), sizes, grad_accum))
+    return RefusingDonated(Step(inner, mesh, par, param_names(params), sizes))
 
 
 def assemble(graphdef, state: TrainState, loss_fn, optimizer, mesh, par, grad_accum: int, schedule):
@@ -351,22 +350,18 @@ def assemble(graphdef, state: TrainState, loss_fn, optimizer, mesh, par, grad_ac
 # -- checkpoints of every-step sync, continued under DiLoCo, and the reverse ---------------------------------------
 
 
-def groups_of(state: TrainState) -> int | None:
-    """How many groups' states `state` holds (None: not DiLoCo's)."""
-    return None if state.inner is None else int(jax.tree.leaves(state.inner)[0].shape[0])
-
-
-def restore_like(state: TrainState, optimizer, mesh, saved_groups: int | None, saved_parallel: dict):
+def restore_like(state: TrainState, optimizer, mesh, saved_groups: int | None):
     """What to read a checkpoint of the other kind into, for today's `state`: an every-step checkpoint's optimizer
-    state is the strategy's (whole copies); a DiLoCo one holds the outer optimizer's state and `saved_groups` groups'
-    states (read whole onto every device, then averaged: `converted`)."""
+    state is the strategy's (whole copies); a DiLoCo one holds the outer momentum buffers (shaped as the parameters,
+    whatever the outer step's settings) and `saved_groups` groups' states (read whole onto every device, then
+    averaged: `converted`)."""
     everywhere = NamedSharding(mesh, P())
     shaped = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=everywhere), tree)  # noqa: E731
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
     params = state.param_shapes()
     if saved_groups is None:  # an every-step checkpoint, for DiLoCo
         return dataclasses.replace(like, opt_state=shaped(jax.eval_shape(optimizer.init, params)), inner=None)
-    outer = outer_optimizer(saved_parallel.get("outer_lr", 0.7), saved_parallel.get("outer_momentum", 0.9))
+    outer = Outer(0.0, 0.0)  # only its state's shapes
     g = saved_groups
     stacked = lambda tree: jax.tree.map(  # noqa: E731
         lambda x: jax.ShapeDtypeStruct((g, *x.shape), x.dtype, sharding=everywhere), tree
@@ -390,7 +385,7 @@ def converted(state: TrainState, mesh, diloco_today: bool, par) -> tuple[TrainSt
     everywhere = NamedSharding(mesh, P())
     mean = lambda x: jnp.mean(x, axis=0).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x[0]  # noqa: E731
     opt_state = jax.jit(lambda t: jax.tree.map(mean, t), out_shardings=everywhere)(state.inner["opt_state"])
-    g = groups_of(state)
+    g = state.groups()
     averaged = f"the optimizer state averaged over the checkpoint's {g} groups"
     if not diloco_today:
         state = dataclasses.replace(state, opt_state=opt_state, inner=None)
