@@ -21,6 +21,7 @@ from jax.experimental import multihost_utils
 from jdp import plan
 from jdp.config import Config, ConfigError, Derived
 from jdp.parallel import strategies
+from jdp.parallel.mesh import GROUP
 from jdp.parallel.remat import POLICIES
 
 __all__ = [
@@ -164,6 +165,8 @@ def check_memory(cfg: Config, derived: Derived, mesh: jax.sharding.Mesh, pool: P
     devices have (default: measured)."""
     if not cfg.train.memory_check:
         return
+    if GROUP in mesh.axis_names and not cfg.parallel.groups:  # DiLoCo's group per host: the mesh knows how many
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, groups=int(mesh.shape[GROUP])))
     mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     pool = pool or local_pool(mine)
     problem = refusal(cfg, derived, pool, mine[0].platform) if pool else None

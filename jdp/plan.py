@@ -124,8 +124,11 @@ def held_bytes(
     options = s.options_of(cfg.parallel)
     if not frees and "reshard_after_forward" in options:
         options["reshard_after_forward"] = False
-    m = s.costs().state_bytes(params, opt_state, optimizer, n, accum, bucket=largest_bucket(cfg, params), **options)
-    more_params, more_opt = sync.get(cfg.parallel.sync).extra_bytes(cfg.parallel, m.params)  # DiLoCo's round
+    ways = sync.get(cfg.parallel.sync)
+    inside = ways.group_devices(cfg.parallel, n)  # DiLoCo: the strategy's state is split inside a group only
+    m = s.costs().state_bytes(params, opt_state, optimizer, inside, accum, bucket=largest_bucket(cfg, params),
+                              **options)  # fmt: skip
+    more_params, more_opt = ways.extra_bytes(cfg.parallel, m.params)  # DiLoCo's round
     return dataclasses.replace(m, params=m.params + more_params, opt_state=m.opt_state + more_opt)
 
 

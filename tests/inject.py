@@ -7,7 +7,8 @@ config. The faults, each off unless its variable is set:
 - JDP_TEST_NAN_STEPS=3,4: NaN weights in those steps' batches;
 - JDP_TEST_KILL=STEP: SIGKILL process 0 after that step; STEP:save: just after it starts that step's save;
 - JDP_TEST_TERM=STEP:save: SIGTERM process 0 just after it starts the save at STEP;
-- JDP_TEST_DIVERGE=STEP: perturb the last device's replica before the replica check at STEP;
+- JDP_TEST_DIVERGE=STEP: perturb the last device's replica before the replica check at STEP; STEP:end: at the end
+  of that step (DiLoCo: the round's parameters between syncs, which the next sync's check finds);
 - JDP_TEST_STALL=STEP:PROCESS: that process stops before that step;
 - JDP_TEST_KILL_ONCE=STEP:PROCESS:FILE: SIGKILL that process after that step, once the newest checkpoint before it
   is on disk (complete), unless FILE exists (it makes FILE first): a restarted job passes the step;
@@ -60,7 +61,7 @@ class Faults(jdp.Callback):
     def at(self, loop, point: str, step: int) -> None:
         if self.fail == f"{step}:{point}:{jax.process_index()}":
             raise RuntimeError(f"injected failure at step {step} ({point})")
-        if point == "replicas" and self.diverge == str(step):
+        if (point, self.diverge) in (("replicas", str(step)), ("step_end", f"{step}:end")):
             loop.state.params = _perturb_last_device(loop.state.params)
         if point == "step_end" and self.kill_once.startswith(f"{step}:{jax.process_index()}:"):
             marker = Path(self.kill_once.split(":", 2)[2])

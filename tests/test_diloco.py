@@ -54,15 +54,19 @@ def jax_leaves(tree):
     return jax.tree.leaves(tree)
 
 
-def test_h1_with_a_plain_outer_average_trains_exactly_as_ddp(tmp_path, cache):
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+def test_h1_with_a_plain_outer_average_trains_exactly_as_ddp(tmp_path, cache, strategy):
+    """Inside each group the strategy's own step (zero1: the optimizer state split over the group's devices)."""
     ddp = train(tiny(tmp_path / "ddp", *PLAIN))
-    diloco = train(tiny(tmp_path / "diloco", *PLAIN, *DILOCO_H1))
+    diloco = train(tiny(tmp_path / "diloco", *PLAIN, *DILOCO_H1, f"parallel.strategy={strategy}"))
     a, b = losses(tmp_path / "ddp"), losses(tmp_path / "diloco")
     assert sorted(a) == sorted(b) == list(range(1, 7))
     np.testing.assert_allclose([b[s] for s in a], [a[s] for s in a], rtol=2e-6)
     for x, y in zip(leaves(ddp["state"].params), leaves(diloco["state"].params), strict=True):
         np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-7)
     assert diloco["state"].inner is not None and ddp["state"].inner is None
+    split = {tuple(x.sharding.spec) for x in jax_leaves(diloco["state"].inner["opt_state"]) if x.ndim > 1}
+    assert split == ({("group", None, "data"), ("group", "data")} if strategy == "zero1" else {("group",)})
 
 
 def test_the_default_outer_nesterov_step_does_not_train_as_ddp(tmp_path, cache):
@@ -119,8 +123,12 @@ def test_groups_are_bit_identical_after_every_sync_and_differ_between(tmp_path, 
 
 @pytest.mark.parametrize(
     "sync",
-    [["parallel.sync=diloco"], ["parallel.sync=streaming", "parallel.fragments=2", "parallel.outer_delay=1"]],
-    ids=["diloco", "streaming"],
+    [
+        ["parallel.sync=diloco"],
+        ["parallel.sync=streaming", "parallel.fragments=2", "parallel.outer_delay=1"],
+        ["parallel.sync=diloco", "parallel.strategy=zero1"],
+    ],
+    ids=["diloco", "streaming", "zero1-inside"],
 )
 def test_a_run_killed_mid_round_resumes_bit_for_bit(tmp_path, cache, sync):
     """H=4, a checkpoint every 6 steps: SIGKILL after step 7 (the checkpoint at 6 is mid-round, the groups apart;
@@ -143,10 +151,28 @@ def test_a_run_killed_mid_round_resumes_bit_for_bit(tmp_path, cache, sync):
         assert np.array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_a_device_whose_round_differs_stops_the_run_at_the_next_sync(tmp_path, cache, monkeypatch):
+    """The replica check right after each sync: the round's parameters perturbed on the last device at step 5 (no
+    replica check runs between syncs) make its outer step at 8 compute other values; the run stops one step later
+    naming that device, and a run without the fault passes every sync's check."""
+    import inject
+
+    from jdp.trainer import RunError
+
+    common = ["parallel.sync=diloco", "parallel.groups=2", "parallel.outer_every=4", "train.steps=10",
+              "train.check_replicas_every=0"]  # fmt: skip
+    train(tiny(tmp_path / "clean", *common))  # syncs at 4 and 8 checked
+    monkeypatch.setenv("JDP_TEST_DIVERGE", "5:end")
+    with pytest.raises(RunError, match=r"the groups disagree after the sync at step 8: the round's parameters on") as e:
+        train(tiny(tmp_path / "faulty", *common, inject.OVERRIDE))
+    named = str(e.value).split("parameters on ", 1)[1].split(" differ", 1)[0]
+    assert any(n in named for n in ("TFRT_CPU_3", "id=3", "cpu:3")) and named.count("process") == 1
+
+
 @pytest.mark.parametrize(
     "overrides, words",
     [
-        (["parallel.sync=diloco", "parallel.strategy=zero1"], ["parallel.strategy=zero1 inside a group", "ddp"]),
+        (["parallel.sync=diloco", "parallel.strategy=fsdp"], ["parallel.strategy=fsdp inside a group", "ddp"]),
         (["parallel.sync=diloco", "parallel.groups=3"], ["parallel.groups=3", "equal groups", "[1, 2, 4]"]),
         (["parallel.outer_every=10"], ["parallel.outer_every=10 is an option of parallel.sync=diloco"]),
         (["parallel.sync=diloco", "parallel.outer_dtype=int2"], ["parallel.outer_dtype='int2' must be one of"]),
@@ -177,12 +203,13 @@ def test_what_diloco_cannot_run_is_refused_before_compiling(tmp_path, cache, ove
         assert w in str(e.value)
 
 
-def test_h1_equals_ddp_on_two_processes(tmp_path, cache):
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+def test_h1_equals_ddp_on_two_processes(tmp_path, cache, strategy):
     """2 real processes of 2 devices each, a group each: H=1 with a plain outer average trains to the parameters of
-    ddp on 4 devices of one process (the data order does not depend on the layout)."""
+    ddp on 4 devices of one process (the data order does not depend on the layout), with ddp or zero1 inside."""
     ddp = train(tiny(tmp_path / "ddp", *PLAIN))
     args = ["-m", "jdp.cli", "train", "tiny", f"train.run_dir={tmp_path / 'two'}", "train.steps=6", "train.log_every=1",
-            "train.progress=false", "train.eval_every=0", *PLAIN, *DILOCO_H1]  # fmt: skip
+            "train.progress=false", "train.eval_every=0", *PLAIN, *DILOCO_H1, f"parallel.strategy={strategy}"]  # fmt: skip
     results = spawn_processes(args, 2, 2, env={"JDP_CACHE": str(cache)})
     for code, _out, err in results:
         assert code == 0, err[-3000:]
@@ -212,6 +239,12 @@ def test_the_memory_check_counts_the_rounds_parameters_and_momentum(tmp_path):
                        "ddp", 4)  # fmt: skip
     assert diloco.params == 2 * step.params and diloco.opt_state == step.opt_state + step.params
     assert plain.opt_state == diloco.opt_state and diloco.grads == step.grads  # buffers kept at momentum 0 too
+    # zero1 inside groups of 2 devices: each keeps half of its group's AdamW state (not a quarter: the groups are
+    # replicas of each other), beside the round's whole parameters and momentum.
+    inside = held_bytes(tiny(tmp_path, "parallel.sync=diloco", "parallel.groups=2", "parallel.strategy=zero1"),
+                        "zero1", 4)  # fmt: skip
+    assert inside.opt_state == held_bytes(tiny(tmp_path, "parallel.strategy=zero1"), "zero1", 2).opt_state + step.params
+    assert inside.opt_state < diloco.opt_state
 
 
 def test_checkpoints_move_between_every_step_sync_and_diloco(tmp_path, cache):
@@ -234,6 +267,32 @@ def test_checkpoints_move_between_every_step_sync_and_diloco(tmp_path, cache):
     back = train(tiny(tmp_path / "diloco-then-ddp", "train.steps=9"))
     assert back["state"].inner is None
     assert losses(tmp_path / "diloco-then-ddp")[9] == pytest.approx(losses(tmp_path / "diloco")[9], rel=1e-5)
+
+
+def test_the_groups_optimizer_state_moves_between_strategies(tmp_path, cache):
+    """A DiLoCo checkpoint taken mid-round with ddp inside the groups continues with zero1 inside (each group's AdamW
+    state moved to zero1's slices) and back, losses as staying to float32 rounding; an every-step ddp checkpoint
+    continues under DiLoCo with zero1 inside. (No decay: the schedule does not depend on train.steps.)"""
+    import shutil
+
+    flat = ["optim.min_lr_ratio=1.0", "optim.warmup_steps=0"]
+    diloco = ["parallel.sync=diloco", "parallel.groups=2", "parallel.outer_every=4", *flat]
+    train(tiny(tmp_path / "ddp", "train.steps=6", "train.ckpt_every=6", *diloco))
+    shutil.copytree(tmp_path / "ddp", tmp_path / "zero1")
+    train(tiny(tmp_path / "ddp", "train.steps=10", *diloco))
+    moved = train(tiny(tmp_path / "zero1", "train.steps=9", "parallel.strategy=zero1", *diloco))
+    assert {tuple(x.sharding.spec)[-1] for x in jax_leaves(moved["state"].inner["opt_state"]) if x.ndim > 1} == {"data"}
+    back = train(tiny(tmp_path / "zero1", "train.steps=10", *diloco))
+    assert {tuple(x.sharding.spec) for x in jax_leaves(back["state"].inner["opt_state"]) if x.ndim > 1} == {("group",)}
+    a, b = losses(tmp_path / "ddp"), losses(tmp_path / "zero1")
+    assert sorted(a) == sorted(b) == list(range(1, 11))
+    np.testing.assert_allclose([b[s] for s in a], [a[s] for s in a], rtol=1e-5)
+
+    train(tiny(tmp_path / "every", "train.steps=4", "train.ckpt_every=4", *flat))
+    shutil.copytree(tmp_path / "every", tmp_path / "every-then-zero1")
+    train(tiny(tmp_path / "every", "train.steps=5", *flat))
+    train(tiny(tmp_path / "every-then-zero1", "train.steps=5", "parallel.strategy=zero1", *diloco))
+    assert losses(tmp_path / "every-then-zero1")[5] == pytest.approx(losses(tmp_path / "every")[5], rel=1e-5)
 
 
 def test_a_checkpoint_of_other_groups_continues_from_the_round(tmp_path, cache):

@@ -14,6 +14,7 @@ from jdp.parallel.guards import check_rows
 
 __all__ = [
     "AXIS",
+    "GROUP",
     "REPLICA",
     "SHARD",
     "Batch",
@@ -32,6 +33,7 @@ __all__ = [
 
 AXIS = "data"
 REPLICA, SHARD = "replica", "shard"  # hsdp's mesh: groups of shard_size devices, the state split inside each
+GROUP = "group"  # DiLoCo's mesh (`group`, `data`): groups that train apart, each group's state on its own devices
 Batch = dict[str, Any]
 
 
@@ -67,6 +69,12 @@ def shard_count(mesh: jax.sharding.Mesh) -> int:
 
 def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
+
+
+def per_group(sharding: NamedSharding) -> NamedSharding:
+    """Where the groups' copies of an array placed by `sharding` live on DiLoCo's mesh: a leading axis of the groups
+    over `group`, the rest placed as before (zero1's optimizer slices over `data`)."""
+    return NamedSharding(sharding.mesh, P(GROUP, *sharding.spec))
 
 
 def replicate(tree, mesh: jax.sharding.Mesh):

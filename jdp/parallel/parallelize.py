@@ -15,7 +15,7 @@ from flax import nnx
 
 from jdp.parallel import strategies, sync
 from jdp.parallel.comm_hooks import CommHook
-from jdp.parallel.mesh import Batch, make_mesh, replicate, replicated
+from jdp.parallel.mesh import Batch, make_mesh, per_group, replicate, replicated
 from jdp.parallel.remat import Remat, recomputing
 from jdp.parallel.step import (
     LossFn,
@@ -210,8 +210,12 @@ def relayout(state: TrainState, optimizer, mesh: jax.sharding.Mesh, strategy: st
     def move(x, c, t):
         return jnp.pad(x.ravel()[: c.size], (0, t.size - c.size)).reshape(t.shape)
 
+    moved = lambda o: jax.tree.map(move, o, canonical, target)  # noqa: E731
     shardings = steps.opt_shardings(target, mesh)
-    opt_state = jax.jit(lambda o: jax.tree.map(move, o, canonical, target), out_shardings=shardings)(state.opt_state)
+    if state.inner is not None:  # DiLoCo: each group's optimizer state is the strategy's (a leading axis of groups)
+        groups = jax.jit(jax.vmap(moved), out_shardings=jax.tree.map(per_group, shardings))
+        return dataclasses.replace(state, inner={**state.inner, "opt_state": groups(state.inner["opt_state"])})
+    opt_state = jax.jit(moved, out_shardings=shardings)(state.opt_state)
     return dataclasses.replace(state, opt_state=opt_state)
 
 
@@ -223,9 +227,12 @@ def restore_target(state: TrainState, optimizer, mesh: jax.sharding.Mesh, strate
     today = opt_layout(strategy, mesh)
     if saved.reads_into(today):
         return state
+    g = state.groups()
     opt = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated(mesh)),
+        lambda x: jax.ShapeDtypeStruct(x.shape if g is None else (g, *x.shape), x.dtype, sharding=replicated(mesh)),
         saved.shapes(optimizer, state.param_shapes()),
     )
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    if g is not None:  # DiLoCo: the groups' optimizer state is the strategy's
+        return dataclasses.replace(like, inner={**like.inner, "opt_state": opt})
     return dataclasses.replace(like, opt_state=opt)

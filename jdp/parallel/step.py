@@ -35,6 +35,7 @@ __all__ = [
     "hook_states",
     "init_comm",
     "keep_if",
+    "leaf_digest",
     "local_sums",
     "make_eval_step",
     "make_grad_fn",
@@ -517,27 +518,29 @@ def make_eval_step(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh, model_of=
     return RefusingDonated(call)
 
 
+def leaf_digest(leaf) -> jax.Array:
+    """One array's bits as a uint32 (exact: floats by their bits, integers as themselves, keys by their data; the
+    position of each element counts, not just the multiset): what replica checks compare between devices."""
+    if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        leaf = jax.random.key_data(leaf)
+    if jnp.issubdtype(leaf.dtype, jnp.floating):  # 16-bit floats widen exactly; 64-bit ones give 2 words
+        bits = jax.lax.bitcast_convert_type(leaf if leaf.dtype.itemsize == 8 else leaf.astype(jnp.float32), jnp.uint32)
+    else:
+        bits = leaf.astype(jnp.uint32)
+    bits = bits.ravel()
+    return jnp.sum(bits * jnp.arange(1, bits.size + 1, dtype=jnp.uint32), dtype=jnp.uint32)
+
+
 def make_replica_digest(mesh: jax.sharding.Mesh):
     """tree -> one uint32 digest per device of its own copy of the tree (exact, bit-level): the parameters, or
     any replicated pytree ({"params": ..., "rest": ...}): floats by their bits, integers as themselves, keys by
     their data. A leaf split over the devices (fsdp's parameters) has no copies to compare: each device digests
     its rows and every device folds in all of them, so the digest is the one logical leaf's."""
 
-    def bits_of(leaf):
-        if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            leaf = jax.random.key_data(leaf)
-        if jnp.issubdtype(leaf.dtype, jnp.floating):  # 16-bit floats widen exactly; 64-bit ones give 2 words
-            return jax.lax.bitcast_convert_type(
-                leaf if leaf.dtype.itemsize == 8 else leaf.astype(jnp.float32), jnp.uint32
-            )
-        return leaf.astype(jnp.uint32)
-
     def digest(split, tree):
         total = jnp.zeros((), jnp.uint32)
         for leaf, over in zip(jax.tree.leaves(tree), split, strict=True):
-            bits = bits_of(leaf).ravel()
-            weights = jnp.arange(1, bits.size + 1, dtype=jnp.uint32)  # position matters, not just the multiset
-            one = jnp.sum(bits * weights, dtype=jnp.uint32)
+            one = leaf_digest(leaf)
             if over:  # the axes it is split over: fold in every part of it (hsdp: within this group)
                 for part in jax.lax.all_gather(one, over):
                     total = total * jnp.uint32(31) + part

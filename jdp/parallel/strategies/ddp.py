@@ -16,7 +16,7 @@ from jdp.parallel.guards import RefusingDonated, checking_rows
 from jdp.parallel.mesh import AXIS, Batch
 from jdp.parallel.step import LossFn, OptLayout, TrainState, global_grads, hook_states, update
 
-__all__ = ["LAYOUT", "layout", "make_train_step", "opt_shardings", "state_bytes", "traffic"]
+__all__ = ["LAYOUT", "layout", "make_step", "make_train_step", "opt_shardings", "state_bytes", "traffic"]
 
 LAYOUT = OptLayout  # whole copies
 
@@ -72,18 +72,39 @@ def make_train_step(
 ):
     """The ddp step: gradients averaged by all-reduces of about bucket_mb MiB, or through `comm_hook` (comm_hooks.py;
     build the state with init_state(..., comm_hook=the same hook))."""
+    step = make_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, bucket_mb=bucket_mb,
+                     reduce_dtype=reduce_dtype, comm_hook=comm_hook)  # fmt: skip
+    return RefusingDonated(jax.jit(checking_rows(step, mesh.devices.size, grad_accum), donate_argnums=0))
+
+
+def make_step(
+    graphdef,
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    mesh: jax.sharding.Mesh,
+    grad_accum: int = 1,
+    schedule: optax.Schedule | None = None,
+    *,
+    bucket_mb: float = 25.0,
+    reduce_dtype: str = "float32",
+    comm_hook: CommHook | None = None,
+    check_vma: bool = True,
+):
+    """make_train_step's (state, batch) -> (state, metrics), not jitted, its collectives over the mesh's `data` axis
+    only: DiLoCo runs it in every group at once (jax.vmap over the `group` axis, with check_vma=False: JAX 0.12
+    fails to batch the update's lax.cond inside a checked shard_map)."""
+    n = mesh.shape[AXIS]
     if comm_hook is None:
-        grads_of = global_grads(graphdef, loss_fn, mesh.devices.size, grad_accum, bucket_mb, reduce_dtype)
+        grads_of = global_grads(graphdef, loss_fn, n, grad_accum, bucket_mb, reduce_dtype)
 
         def step(state: TrainState, batch: Batch):
             grads, loss, weight, rest = grads_of(state.params, state.rest, batch, state.step)
             # Every replica applies the identical update to identical parameters: they stay bit-identical.
             return update(optimizer, schedule, state, grads, loss, weight, rest)
 
-        sharded = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(), P()))
-        return RefusingDonated(jax.jit(checking_rows(sharded, mesh.devices.size, grad_accum), donate_argnums=0))
+        return jax.shard_map(step, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(), P()), check_vma=check_vma)
 
-    grads_of = global_grads(graphdef, loss_fn, mesh.devices.size, grad_accum, bucket_mb, reduce_dtype, comm_hook)
+    grads_of = global_grads(graphdef, loss_fn, n, grad_accum, bucket_mb, reduce_dtype, comm_hook)
 
     def hooked(state: TrainState, batch: Batch):
         expected = sorted(jax.eval_shape(lambda: hook_states(comm_hook, state.params)), key=int)
@@ -101,5 +122,4 @@ def make_train_step(
         return dataclasses.replace(new, comm=jax.tree.map(lambda x: x[None], new.comm)), metrics
 
     spec = TrainState(P(), P(), P(), P(), P(AXIS))
-    sharded = jax.shard_map(hooked, mesh=mesh, in_specs=(spec, P(AXIS)), out_specs=(spec, P()))
-    return RefusingDonated(jax.jit(checking_rows(sharded, mesh.devices.size, grad_accum), donate_argnums=0))
+    return jax.shard_map(hooked, mesh=mesh, in_specs=(spec, P(AXIS)), out_specs=(spec, P()), check_vma=check_vma)

@@ -21,7 +21,7 @@ from jdp.parallel.guards import RefusingDonated, check_batch
 from jdp.parallel.mesh import AXIS, Batch, replicated, split_spec
 from jdp.parallel.step import LossFn, OptLayout, TrainState, apply_update, keep_if, local_sums, micro_spec
 
-__all__ = ["LAYOUT", "Slices", "layout", "make_train_step", "opt_shardings", "state_bytes", "traffic"]
+__all__ = ["LAYOUT", "Slices", "layout", "make_step", "make_train_step", "opt_shardings", "state_bytes", "traffic"]
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class Slices(OptLayout):
         return (1,) * (x.ndim - 1) + (padded,)
 
     def shardings(self, shapes, mesh: jax.sharding.Mesh):
-        n = mesh.devices.size
+        n = self.shards
         return jax.tree.map(
             lambda x: NamedSharding(mesh, split_spec(x.ndim)) if x.ndim >= 1 and x.shape[-1] % n == 0
             else replicated(mesh), shapes)  # fmt: skip
@@ -67,7 +67,7 @@ LAYOUT = Slices
 
 def layout(mesh: jax.sharding.Mesh) -> Slices:
     """Every parameter flat and padded to a multiple of the devices, each device holding its slice."""
-    return Slices(mesh.devices.size)
+    return Slices(mesh.shape[AXIS])
 
 
 def opt_shardings(shapes, mesh: jax.sharding.Mesh):
@@ -161,9 +161,29 @@ def make_train_step(
     all-reduce), and the updated slices are all-gathered bucket by bucket, so every device again holds identical
     full parameters. Reduce-scatter plus all-gather move the same bytes as one all-reduce.
     """
+    step = make_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, bucket_mb=bucket_mb,
+                     reduce_dtype=reduce_dtype, comm_hook=comm_hook)  # fmt: skip
+    return RefusingDonated(jax.jit(step, donate_argnums=0))
+
+
+def make_step(
+    graphdef,
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    mesh: jax.sharding.Mesh,
+    grad_accum: int = 1,
+    schedule: optax.Schedule | None = None,
+    *,
+    bucket_mb: float = 25.0,
+    reduce_dtype: str = "float32",
+    comm_hook: CommHook | None = None,
+    check_vma: bool = True,
+):
+    """make_train_step's (state, batch) -> (state, metrics), not jitted, its collectives and placements over the
+    mesh's `data` axis only: DiLoCo runs it in every group at once (jax.vmap over the `group` axis)."""
     if comm_hook is not None:
         raise ValueError("a communication hook reduces ddp's buckets; strategy='zero1' has none to hook")
-    n = mesh.devices.size
+    n = mesh.shape[AXIS]
     layout = Slices(n)
     sums = local_sums(graphdef, loss_fn, grad_accum)
 
@@ -190,7 +210,8 @@ def make_train_step(
 
         specs = jax.tree.map(lambda x: split_spec(max(x.ndim, 1)), state.params)
         scatter = jax.shard_map(
-            grads_of, mesh=mesh, in_specs=(P(), P(), P(), P(AXIS)), out_specs=(specs, P(), P(), P())
+            grads_of, mesh=mesh, in_specs=(P(), P(), P(), P(AXIS)), out_specs=(specs, P(), P(), P()),
+            check_vma=check_vma,
         )
         grads, loss, weight, rest = scatter(state.params, state.rest, state.step, batch)
         buckets = planned[-1]
@@ -208,4 +229,4 @@ def make_train_step(
         rest = keep_if(metrics["skipped"] == 0, rest, state.rest)
         return TrainState(state.step + 1, gather(params), opt_state, rest), metrics
 
-    return RefusingDonated(jax.jit(step, donate_argnums=0))
+    return step

@@ -56,6 +56,14 @@ class Sync:
             return 0, 0
         return params, params
 
+    def group_devices(self, parallel: Any, n: int) -> int:
+        """The devices of one group, out of n, that its strategy splits its state over (zero1's optimizer slices):
+        n / parallel.groups; with parallel.groups=0 (a group per host) the memory check sets the hosts' count, and
+        `jdp plan`, which does not know it, counts one group of n."""
+        if "groups" not in self.options or not parallel.groups or n % parallel.groups:
+            return n
+        return n // parallel.groups
+
     def apart(self, parallel: Any) -> tuple[int, int]:
         """(every, lag): the groups meet every `every` steps (1: every step agrees), and a meeting's result is needed
         `lag` steps later (a streamed outer step's delay): a group can run up to every + lag + 2 steps ahead."""
@@ -121,7 +129,7 @@ REGISTRY: dict[str, Sync] = {
             "groups of devices train apart for parallel.outer_every steps, then average their pseudo-gradients and "
             "take one outer Nesterov step (DiLoCo)",
             options=DILOCO,
-            strategies=("ddp",),
+            strategies=("ddp", "zero1"),
         ),
         Sync(
             "streaming",
@@ -129,7 +137,7 @@ REGISTRY: dict[str, Sync] = {
             "DiLoCo with the model in parallel.fragments fragments synced at staggered steps, each outer step landing "
             "parallel.outer_delay steps later (Streaming DiLoCo)",
             options=(*DILOCO, "fragments", "outer_delay", "outer_mix"),
-            strategies=("ddp",),
+            strategies=("ddp", "zero1"),
         ),
     )
 }

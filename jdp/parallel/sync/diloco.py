@@ -2,8 +2,9 @@
 
 The devices are split into G groups (`parallel.groups`; by default one per host), contiguous blocks of the
 `data` order, so a group reads exactly the rows its devices read without groups: a "step" is still one global
-batch, each group training on its own exclusive part of it. Inside a group the step is ddp's (bucketed all-reduces
-over the group's fast links); between groups nothing travels per step. Every `parallel.outer_every` = H steps each
+batch, each group training on its own exclusive part of it. Inside a group the step is the strategy's (ddp's
+bucketed all-reduces, or zero1's reduce-scatters and all-gathers, over the group's fast links); between groups
+nothing travels per step. Every `parallel.outer_every` = H steps each
 group's pseudo-gradient, the round's parameters minus its own, is averaged over the groups (quantised as
 `parallel.outer_dtype` says) and an outer SGD with Nesterov momentum (`parallel.outer_lr`,
 `parallel.outer_momentum`; PyTorch's and the paper's) moves the round's parameters by it. Every group restarts from
@@ -35,15 +36,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdp.errors import ConfigError
+from jdp.parallel import strategies
 from jdp.parallel.costs import BLOCK, payload_bytes
 from jdp.parallel.guards import RefusingDonated, checking_rows
-from jdp.parallel.mesh import AXIS
-from jdp.parallel.step import TrainState, global_grads, param_names, update
+from jdp.parallel.mesh import AXIS, GROUP, per_group
+from jdp.parallel.step import TrainState, leaf_digest, param_names
 
 __all__ = ["GROUP", "assemble", "host_groups", "make_mesh", "make_train_step", "mesh", "outer_optimizer"]
-
-GROUP = "group"
-
 
 def make_mesh(groups: int, devices: list | None = None) -> jax.sharding.Mesh:
     """A 2-D mesh (`group`, `data`) of the devices in their usual order: `groups` contiguous blocks (a host's)."""
@@ -103,11 +102,10 @@ def init(state: TrainState, mesh: jax.sharding.Mesh, outer: Outer) -> TrainState
     """A strategy's fresh state (replicated over the mesh) as DiLoCo's: every group's copy of it, the round's
     parameters and the outer optimizer's state."""
     g = mesh.shape[GROUP]
-    per_group = NamedSharding(mesh, P(GROUP))
     everywhere = NamedSharding(mesh, P())
     inner = {"params": state.params, "opt_state": state.opt_state, "rest": state.rest}
     inner = jax.jit(lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (g, *x.shape)), t),
-                    out_shardings=per_group)(inner)  # fmt: skip
+                    out_shardings=jax.tree.map(lambda x: per_group(x.sharding), inner))(inner)  # fmt: skip
     opt_state = jax.jit(outer.init, out_shardings=everywhere)(state.params)
     return dataclasses.replace(state, opt_state=opt_state, inner=inner)
 
@@ -145,26 +143,29 @@ def _decode(payload, dtype: str):
 # -- the two programs ---------------------------------------------------------------------------------------------
 
 
-def make_inner_step(graphdef, loss_fn, optimizer, mesh, grad_accum: int, schedule, bucket_mb: float,
-                    reduce_dtype: str):  # fmt: skip
-    """(inner, step, global batch) -> (inner, step + 1, per-group metrics): ddp's step in every group at once, its
-    collectives over `data` (inside a group) only. Metrics have a leading axis of the groups."""
-    grads_of = global_grads(graphdef, loss_fn, mesh.shape[AXIS], grad_accum, bucket_mb, reduce_dtype)
+def make_inner_step(graphdef, loss_fn, optimizer, mesh, grad_accum: int, schedule, par):
+    """(inner, step, global batch) -> (inner, step + 1, per-group metrics): the strategy's step (its module's
+    make_step: ddp's or zero1's, collectives over `data`, inside a group, only) in every group at once, by jax.vmap
+    over the groups with the `group` axis as the mapped one (each group's state and rows on its own devices). Metrics
+    have a leading axis of the groups."""
+    s = strategies.get(par.strategy)
+    group_step = s.steps().make_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule,
+                                     bucket_mb=par.bucket_mb, reduce_dtype=par.reduce_dtype, check_vma=False,
+                                     **s.options_of(par))  # fmt: skip
+    g = mesh.shape[GROUP]
 
     def one_group(inner, step, batch):
-        mine = jax.tree.map(lambda x: x[0], inner)
-        state = TrainState(step, mine["params"], mine["opt_state"], mine["rest"])
-        grads, loss, weight, rest = grads_of(state.params, state.rest, batch, step)
-        new, metrics = update(optimizer, schedule, state, grads, loss, weight, rest)
-        out = {"params": new.params, "opt_state": new.opt_state, "rest": new.rest}
-        return jax.tree.map(lambda x: x[None], out), jax.tree.map(lambda x: x[None], metrics)
+        state = TrainState(step, inner["params"], inner["opt_state"], inner["rest"])
+        new, metrics = group_step(state, batch)
+        return {"params": new.params, "opt_state": new.opt_state, "rest": new.rest}, metrics
 
-    sharded = jax.shard_map(one_group, mesh=mesh, in_specs=(P(GROUP), P(), P((GROUP, AXIS))),
-                            out_specs=(P(GROUP), P(GROUP)))  # fmt: skip
+    every = jax.vmap(one_group, in_axes=(0, None, 0), spmd_axis_name=GROUP)
+    per_group = NamedSharding(mesh, P(GROUP))
 
     def step(inner, step, batch):
-        new, metrics = sharded(inner, step, batch)
-        return new, step + 1, metrics
+        rows = jax.tree.map(lambda x: x.reshape(g, x.shape[0] // g, *x.shape[1:]), batch)  # group g's own block
+        new, metrics = every(inner, step, rows)
+        return new, step + 1, jax.lax.with_sharding_constraint(metrics, per_group)
 
     return jax.jit(checking_rows(step, mesh.devices.size, grad_accum), donate_argnums=(0, 1))
 
@@ -187,7 +188,9 @@ def fragments(names: list[str], n: int, every: int) -> list[tuple[tuple[int, ...
 
 def make_outer_step(mesh, outer: Outer, dtype: str, leaves: tuple[int, ...], write: bool, rest_too: bool):
     """(groups' params, groups' rest, round params, outer state) -> (the groups' params, their rest, the round params,
-    outer state, rest, metrics) for the parameter leaves `leaves` (a fragment; every leaf for plain DiLoCo). Each
+    outer state, rest, metrics, digests) for the parameter leaves `leaves` (a fragment; every leaf for plain DiLoCo).
+    `digests`: every device's digest of its new round values of the fragment, in the mesh's order, for Step to compare
+    (they must be the same bits everywhere: the replica check right after each sync). Each
     device encodes its 1/n slice of its group's pseudo-gradient, all-gathers it over `group` (the one collective
     across groups), decodes and averages the G slices in a fixed order (so every device computes the same bits),
     and the slices are all-gathered over `data` (inside a group). write: the groups restart from the new round's
@@ -226,6 +229,10 @@ def make_outer_step(mesh, outer: Outer, dtype: str, leaves: tuple[int, ...], wri
             new_t[k] = p.astype(t.dtype)
             if write:
                 new_x[k] = new_t[k][None]
+        mine_digest = jnp.zeros((), jnp.uint32)
+        for k in leaves:
+            mine_digest = mine_digest * jnp.uint32(31) + leaf_digest(new_t[k])
+        digests = jax.lax.all_gather(mine_digest, (GROUP, AXIS), tiled=False)  # a few bytes, once a sync
         unflat = lambda v: jax.tree.unflatten(tree, v)  # noqa: E731
         rest = jax.tree.map(lambda r: jax.lax.pmean(r[0], GROUP) if jnp.issubdtype(r.dtype, jnp.inexact) else r[0],
                             inner_rest)  # fmt: skip
@@ -235,12 +242,12 @@ def make_outer_step(mesh, outer: Outer, dtype: str, leaves: tuple[int, ...], wri
             "outer_divergence": jnp.sqrt(spread / g),  # RMS over the groups of |pseudo-gradient - their mean|
             "outer_quant_error": jnp.sqrt(err / jnp.maximum(norm2, 1e-30)),  # |decoded - sent| / |sent|
         }
-        return unflat(new_x), rest_g, unflat(new_t), unflat(new_b), rest, metrics
+        return unflat(new_x), rest_g, unflat(new_t), unflat(new_b), rest, metrics, digests
 
     # check_vma=False: the results are the same on every device (each computes them from the same gathered bytes in
     # the same order), which shard_map cannot see through the all-gathers.
     sharded = jax.shard_map(one, mesh=mesh, in_specs=(P(GROUP), P(GROUP), P(), P()),
-                            out_specs=(P(GROUP), P(GROUP), P(), P(), P(), P()), check_vma=False)  # fmt: skip
+                            out_specs=(P(GROUP), P(GROUP), P(), P(), P(), P(), P()), check_vma=False)  # fmt: skip
     return jax.jit(sharded, donate_argnums=(0, 1, 2, 3))
 
 
@@ -284,6 +291,7 @@ class Step:
         self.streaming = n > 1 or self.delay > 0
         self.at: int | None = None  # the host's count of the state's step (read once, then followed)
         self.last = None  # the step array this object returned last
+        self.unchecked: list[tuple[int, jax.Array]] = []  # (sync step, every device's digest): compared a step later
 
     def __call__(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         if state.inner is None:
@@ -291,6 +299,7 @@ class Step:
         if state.step is not self.last:
             self.at = int(jax.device_get(state.step))
         inner, step, per_group = self.inner(state.inner, state.step, batch)
+        self.check_syncs()  # the last step's syncs, now that the next step is queued behind them
         self.at, self.last = self.at + 1, step
         state = dataclasses.replace(state, step=step, inner=inner)
         metrics = _local(per_group)
@@ -302,14 +311,32 @@ class Step:
             if self.at % self.every != offset:
                 continue
             inner = state.inner
-            params, rest_g, theta, opt_state, rest, outer = self.outer[f](inner["params"], inner["rest"],
-                                                                          state.params, state.opt_state)  # fmt: skip
+            params, rest_g, theta, opt_state, rest, outer, digests = self.outer[f](
+                inner["params"], inner["rest"], state.params, state.opt_state
+            )
+            self.unchecked.append((self.at, digests))
             inner = {**inner, "params": params, "rest": rest_g}
             state = dataclasses.replace(state, params=theta, opt_state=opt_state, rest=rest, inner=inner)
             metrics.update(outer, outer_bytes_per_step=jnp.float32(self.bytes_per_step))
             if self.streaming:
                 metrics["outer_fragment"] = jnp.float32(f)
         return state, metrics
+
+
+    def check_syncs(self) -> None:
+        """Every device's new round values of each fragment synced since the last call must be the same bits
+        (computed apart on every device from the same gathered bytes): else stop, naming the devices that differ."""
+        for at, digests in self.unchecked:
+            every = np.asarray(digests.addressable_data(0)).ravel()
+            if bad := np.flatnonzero(every != every[0]).tolist():
+                devices = list(self.mesh.devices.flat)
+                named = ", ".join(f"{devices[i]} (process {devices[i].process_index})" for i in bad)
+                raise RuntimeError(
+                    f"the groups disagree after the sync at step {at}: the round's parameters on {named} differ from "
+                    f"device 0's (a device computed the outer step from other values: corrupted memory, or a "
+                    f"nondeterministic kernel)"
+                )
+        self.unchecked = []
 
 
 def _local(per_group: dict) -> dict:
@@ -335,8 +362,7 @@ def _local(per_group: dict) -> dict:
 
 def make_train_step(graphdef, loss_fn, optimizer, mesh, grad_accum: int, schedule, par, params) -> Any:
     """DiLoCo's train step for the parameters `params` (their names place them in fragments)."""
-    inner = make_inner_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, par.bucket_mb,
-                            par.reduce_dtype)  # fmt: skip
+    inner = make_inner_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, par)
     sizes = [math.prod(x.shape) for x in jax.tree.leaves(params)]
     return RefusingDonated(Step(inner, mesh, par, param_names(params), sizes))
 
