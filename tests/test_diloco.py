@@ -54,7 +54,7 @@ def jax_leaves(tree):
     return jax.tree.leaves(tree)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp"])
 def test_h1_with_a_plain_outer_average_trains_exactly_as_ddp(tmp_path, cache, strategy):
     """Inside each group the strategy's own step (zero1: the optimizer state split over the group's devices)."""
     ddp = train(tiny(tmp_path / "ddp", *PLAIN))
@@ -66,7 +66,8 @@ def test_h1_with_a_plain_outer_average_trains_exactly_as_ddp(tmp_path, cache, st
         np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-7)
     assert diloco["state"].inner is not None and ddp["state"].inner is None
     split = {tuple(x.sharding.spec) for x in jax_leaves(diloco["state"].inner["opt_state"]) if x.ndim > 1}
-    assert split == ({("group", None, "data"), ("group", "data")} if strategy == "zero1" else {("group",)})
+    inside = {"ddp": {("group",)}, "zero1": {("group", None, "data"), ("group", "data")}, "fsdp": {("group", "data")}}
+    assert split == inside[strategy]
 
 
 def test_the_default_outer_nesterov_step_does_not_train_as_ddp(tmp_path, cache):
@@ -127,8 +128,9 @@ def test_groups_are_bit_identical_after_every_sync_and_differ_between(tmp_path, 
         ["parallel.sync=diloco"],
         ["parallel.sync=streaming", "parallel.fragments=2", "parallel.outer_delay=1"],
         ["parallel.sync=diloco", "parallel.strategy=zero1"],
+        ["parallel.sync=streaming", "parallel.fragments=2", "parallel.outer_delay=1", "parallel.strategy=fsdp"],
     ],
-    ids=["diloco", "streaming", "zero1-inside"],
+    ids=["diloco", "streaming", "zero1-inside", "streaming-fsdp-inside"],
 )
 def test_a_run_killed_mid_round_resumes_bit_for_bit(tmp_path, cache, sync):
     """H=4, a checkpoint every 6 steps: SIGKILL after step 7 (the checkpoint at 6 is mid-round, the groups apart;
@@ -151,16 +153,18 @@ def test_a_run_killed_mid_round_resumes_bit_for_bit(tmp_path, cache, sync):
         assert np.array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_a_device_whose_round_differs_stops_the_run_at_the_next_sync(tmp_path, cache, monkeypatch):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_device_whose_round_differs_stops_the_run_at_the_next_sync(tmp_path, cache, monkeypatch, strategy):
     """The replica check right after each sync: the round's parameters perturbed on the last device at step 5 (no
     replica check runs between syncs) make its outer step at 8 compute other values; the run stops one step later
-    naming that device, and a run without the fault passes every sync's check."""
+    naming that device, and a run without the fault passes every sync's check. Under fsdp each device holds its own
+    rows of the round, compared with the same rows in group 0."""
     import inject
 
     from jdp.trainer import RunError
 
     common = ["parallel.sync=diloco", "parallel.groups=2", "parallel.outer_every=4", "train.steps=10",
-              "train.check_replicas_every=0"]  # fmt: skip
+              "train.check_replicas_every=0", f"parallel.strategy={strategy}"]  # fmt: skip
     train(tiny(tmp_path / "clean", *common))  # syncs at 4 and 8 checked
     monkeypatch.setenv("JDP_TEST_DIVERGE", "5:end")
     with pytest.raises(RunError, match=r"the groups disagree after the sync at step 8: the round's parameters on") as e:
@@ -172,7 +176,7 @@ def test_a_device_whose_round_differs_stops_the_run_at_the_next_sync(tmp_path, c
 @pytest.mark.parametrize(
     "overrides, words",
     [
-        (["parallel.sync=diloco", "parallel.strategy=fsdp"], ["parallel.strategy=fsdp inside a group", "ddp"]),
+        (["parallel.sync=diloco", "parallel.strategy=hsdp"], ["parallel.strategy=hsdp inside a group", "ddp"]),
         (["parallel.sync=diloco", "parallel.groups=3"], ["parallel.groups=3", "equal groups", "[1, 2, 4]"]),
         (["parallel.outer_every=10"], ["parallel.outer_every=10 is an option of parallel.sync=diloco"]),
         (["parallel.sync=diloco", "parallel.outer_dtype=int2"], ["parallel.outer_dtype='int2' must be one of"]),
@@ -203,7 +207,7 @@ def test_what_diloco_cannot_run_is_refused_before_compiling(tmp_path, cache, ove
         assert w in str(e.value)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp"])
 def test_h1_equals_ddp_on_two_processes(tmp_path, cache, strategy):
     """2 real processes of 2 devices each, a group each: H=1 with a plain outer average trains to the parameters of
     ddp on 4 devices of one process (the data order does not depend on the layout), with ddp or zero1 inside."""
@@ -271,8 +275,9 @@ def test_checkpoints_move_between_every_step_sync_and_diloco(tmp_path, cache):
 
 def test_the_groups_optimizer_state_moves_between_strategies(tmp_path, cache):
     """A DiLoCo checkpoint taken mid-round with ddp inside the groups continues with zero1 inside (each group's AdamW
-    state moved to zero1's slices) and back, losses as staying to float32 rounding; an every-step ddp checkpoint
-    continues under DiLoCo with zero1 inside. (No decay: the schedule does not depend on train.steps.)"""
+    state moved to zero1's slices), then fsdp (parameters and state in padded rows: the embedding's 257 rows to 258)
+    and back to ddp, losses as staying to float32 rounding; an every-step ddp checkpoint continues under DiLoCo with
+    zero1 inside. (No decay: the schedule does not depend on train.steps.)"""
     import shutil
 
     flat = ["optim.min_lr_ratio=1.0", "optim.warmup_steps=0"]
@@ -280,8 +285,10 @@ def test_the_groups_optimizer_state_moves_between_strategies(tmp_path, cache):
     train(tiny(tmp_path / "ddp", "train.steps=6", "train.ckpt_every=6", *diloco))
     shutil.copytree(tmp_path / "ddp", tmp_path / "zero1")
     train(tiny(tmp_path / "ddp", "train.steps=10", *diloco))
-    moved = train(tiny(tmp_path / "zero1", "train.steps=9", "parallel.strategy=zero1", *diloco))
+    moved = train(tiny(tmp_path / "zero1", "train.steps=8", "parallel.strategy=zero1", *diloco))
     assert {tuple(x.sharding.spec)[-1] for x in jax_leaves(moved["state"].inner["opt_state"]) if x.ndim > 1} == {"data"}
+    rows = train(tiny(tmp_path / "zero1", "train.steps=9", "parallel.strategy=fsdp", *diloco))
+    assert {tuple(x.sharding.spec) for x in jax_leaves(rows["state"].inner["params"])} == {("group", "data")}
     back = train(tiny(tmp_path / "zero1", "train.steps=10", *diloco))
     assert {tuple(x.sharding.spec) for x in jax_leaves(back["state"].inner["opt_state"]) if x.ndim > 1} == {("group",)}
     a, b = losses(tmp_path / "ddp"), losses(tmp_path / "zero1")

@@ -118,6 +118,29 @@ def test_srun_trains_like_jdp_launch(srun_run, env, tmp_path):
         assert abs(proj_a - proj_b) <= 6e-5 * norm_a, name
 
 
+def test_srun_trains_diloco_as_jdp_launch_does(cluster, env, tmp_path):
+    """parallel.sync=diloco under `srun -n 2`: each task's 2 devices a group (parallel.groups=2: the tasks share
+    this one node, so not a group per host), H=4, zero1 inside; every loss (process 0's: its group's) and the round's
+    parameters equal the same run under `jdp launch` bit for bit."""
+    diloco = [*RUN, "train.steps=10", "train.eval_every=0", "parallel.sync=diloco", "parallel.groups=2",
+              "parallel.outer_every=4", "parallel.strategy=zero1"]  # fmt: skip
+    out = subprocess.run(
+        ["srun", "--kill-on-bad-exit=1", "-n", "2", str(JDP), "train", *diloco, f"train.run_dir={tmp_path / 'srun'}"],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "parallel.sync=diloco: 2 groups, synced every 4 steps" in out.stdout + out.stderr
+    args = [str(JDP), "launch", "--nproc-per-node", "2", "--devices-per-proc", "2", "--", "train", *diloco]
+    ref = subprocess.run([*args, f"train.run_dir={tmp_path / 'one'}"], env=env, cwd=REPO, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    mine, theirs = read_metrics(tmp_path / "srun" / "metrics.jsonl"), read_metrics(tmp_path / "one" / "metrics.jsonl")
+    assert {r["step"]: r["loss"] for r in mine if "loss" in r} == {r["step"]: r["loss"] for r in theirs if "loss" in r}
+    assert [r["step"] for r in mine if "outer_grad_norm" in r] == [4, 8]
+    summaries = [json.loads((tmp_path / d / "summary.json").read_text()) for d in ("srun", "one")]
+    assert summaries[0]["params_sha256"] == summaries[1]["params_sha256"]
+
+
 def sbatch(cluster, env, run_dir: Path, logs: Path) -> str:
     """Submit scripts/slurm.sbatch with the documented CPU overrides; the job id."""
     out = cluster.client(

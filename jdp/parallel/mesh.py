@@ -51,9 +51,10 @@ def make_mesh(devices: list | None = None, shard_size: int = 0) -> jax.sharding.
     return jax.sharding.Mesh(np.asarray(devices).reshape(len(devices) // shard_size, shard_size), (REPLICA, SHARD))
 
 
-def batch_axes(mesh: jax.sharding.Mesh):
-    """The mesh axes a global batch's rows are split over (every one): `data`, or (`replica`, `shard`)."""
-    names = tuple(mesh.axis_names)
+def batch_axes(mesh: jax.sharding.Mesh, within_group: bool = False):
+    """The mesh axes a global batch's rows are split over (every one): `data`, or (`replica`, `shard`), or DiLoCo's
+    (`group`, `data`); within_group: a DiLoCo group's rows, over `data` only (the step run in every group at once)."""
+    names = tuple(a for a in mesh.axis_names if not (within_group and a == GROUP))
     return names[0] if len(names) == 1 else names
 
 

@@ -30,12 +30,12 @@ from jdp.parallel import remat
 from jdp.parallel.comm_hooks import CommHook
 from jdp.parallel.costs import Buckets, Collectives, Memory, Traffic, tree_bytes
 from jdp.parallel.guards import RefusingDonated, check_batch
-from jdp.parallel.mesh import REPLICA, Batch, batch_axes, replicated, shard_axis, shard_count
+from jdp.parallel.mesh import GROUP, REPLICA, Batch, batch_axes, replicated, shard_axis, shard_count
 from jdp.parallel.step import LossFn, OptLayout, TrainState, apply_update, keep_if, local_sums, param_names
 
 __all__ = [
-    "LAYOUT", "Rows", "Units", "block_policy", "layout", "make_eval_step", "make_train_step", "opt_shardings", "report_units",
-    "state_bytes", "traffic",
+    "LAYOUT", "Rows", "Units", "block_policy", "layout", "make_eval_step", "make_step", "make_train_step",
+    "opt_shardings", "report_units", "state_bytes", "traffic",
 ]  # fmt: skip
 
 
@@ -210,7 +210,7 @@ class Axes:
     @staticmethod
     def of(mesh: jax.sharding.Mesh) -> Axes:
         replica = REPLICA if REPLICA in mesh.axis_names else None
-        return Axes(shard_axis(mesh), shard_count(mesh), replica, batch_axes(mesh))
+        return Axes(shard_axis(mesh), shard_count(mesh), replica, batch_axes(mesh, within_group=True))
 
 
 def _gather(shards: list, shapes: list, axes: Axes) -> list:
@@ -507,13 +507,36 @@ def make_train_step(
                       reshard_after_forward, "fsdp", accumulate_unsharded)  # fmt: skip
 
 
+def make_step(
+    graphdef,
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    mesh: jax.sharding.Mesh,
+    grad_accum: int = 1,
+    schedule: optax.Schedule | None = None,
+    *,
+    bucket_mb: float = 25.0,
+    reduce_dtype: str = "float32",
+    comm_hook: CommHook | None = None,
+    check_vma: bool = True,
+    reshard_after_forward: bool = True,
+    accumulate_unsharded: bool = False,
+):
+    """make_train_step's (state, batch) -> (state, metrics), not jitted, its collectives and placements over the
+    mesh's `data` axis only: DiLoCo runs it in every group at once (jax.vmap over the `group` axis)."""
+    return split_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, reduce_dtype, comm_hook,
+                      reshard_after_forward, "fsdp", accumulate_unsharded, jitted=False, check_vma=check_vma)  # fmt: skip
+
+
 def split_step(
-    graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, reduce_dtype, comm_hook, reshard, name, unsharded=False
+    graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, reduce_dtype, comm_hook, reshard, name, unsharded=False,
+    jitted=True, check_vma=True,
 ):  # fmt: skip
-    """fsdp's step on a 1-D mesh, hsdp's on a (`replica`, `shard`) one: the same code, other axes (Axes)."""
+    """fsdp's step on a 1-D mesh, hsdp's on a (`replica`, `shard`) one: the same code, other axes (Axes); on
+    DiLoCo's (`group`, `data`) mesh, one group's (not jitted: DiLoCo maps it over the groups)."""
     if comm_hook is not None:
         raise ValueError(f"a communication hook reduces ddp's buckets; strategy='{name}' has none to hook")
-    n = mesh.devices.size
+    n = mesh.devices.size // (mesh.shape[GROUP] if GROUP in mesh.axis_names else 1)
     lay = layout(mesh)
     axes = Axes.of(mesh)
 
@@ -569,7 +592,8 @@ def split_step(
 
         specs = _specs(state.params, mesh)
         sharded = jax.shard_map(
-            grads_of, mesh=mesh, in_specs=(specs, P(), P(), P(axes.batch)), out_specs=(specs, P(), P(), P())
+            grads_of, mesh=mesh, in_specs=(specs, P(), P(), P(axes.batch)), out_specs=(specs, P(), P(), P()),
+            check_vma=check_vma,
         )
         grads, loss, weight, rest = sharded(state.params, state.rest, state.step, batch)
         params, opt_state, metrics = apply_update(
@@ -580,7 +604,7 @@ def split_step(
         rest = keep_if(metrics["skipped"] == 0, rest, state.rest)
         return TrainState(state.step + 1, params, opt_state, rest, None, state.shapes), metrics
 
-    return RefusingDonated(jax.jit(step, donate_argnums=0))
+    return RefusingDonated(jax.jit(step, donate_argnums=0)) if jitted else step
 
 
 def make_eval_step(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh):

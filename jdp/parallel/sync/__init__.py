@@ -129,7 +129,7 @@ REGISTRY: dict[str, Sync] = {
             "groups of devices train apart for parallel.outer_every steps, then average their pseudo-gradients and "
             "take one outer Nesterov step (DiLoCo)",
             options=DILOCO,
-            strategies=("ddp", "zero1"),
+            strategies=("ddp", "zero1", "fsdp"),
         ),
         Sync(
             "streaming",
@@ -137,7 +137,7 @@ REGISTRY: dict[str, Sync] = {
             "DiLoCo with the model in parallel.fragments fragments synced at staggered steps, each outer step landing "
             "parallel.outer_delay steps later (Streaming DiLoCo)",
             options=(*DILOCO, "fragments", "outer_delay", "outer_mix"),
-            strategies=("ddp", "zero1"),
+            strategies=("ddp", "zero1", "fsdp"),
         ),
     )
 }

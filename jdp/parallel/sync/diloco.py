@@ -102,11 +102,10 @@ def init(state: TrainState, mesh: jax.sharding.Mesh, outer: Outer) -> TrainState
     """A strategy's fresh state (replicated over the mesh) as DiLoCo's: every group's copy of it, the round's
     parameters and the outer optimizer's state."""
     g = mesh.shape[GROUP]
-    everywhere = NamedSharding(mesh, P())
     inner = {"params": state.params, "opt_state": state.opt_state, "rest": state.rest}
     inner = jax.jit(lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (g, *x.shape)), t),
                     out_shardings=jax.tree.map(lambda x: per_group(x.sharding), inner))(inner)  # fmt: skip
-    opt_state = jax.jit(outer.init, out_shardings=everywhere)(state.params)
+    opt_state = jax.jit(outer.init, out_shardings=jax.tree.map(lambda x: x.sharding, state.params))(state.params)
     return dataclasses.replace(state, opt_state=opt_state, inner=inner)
 
 
@@ -143,11 +142,12 @@ def _decode(payload, dtype: str):
 # -- the two programs ---------------------------------------------------------------------------------------------
 
 
-def make_inner_step(graphdef, loss_fn, optimizer, mesh, grad_accum: int, schedule, par):
+def make_inner_step(graphdef, loss_fn, optimizer, mesh, grad_accum: int, schedule, par, shapes=None):
     """(inner, step, global batch) -> (inner, step + 1, per-group metrics): the strategy's step (its module's
     make_step: ddp's or zero1's, collectives over `data`, inside a group, only) in every group at once, by jax.vmap
     over the groups with the `group` axis as the mapped one (each group's state and rows on its own devices). Metrics
-    have a leading axis of the groups."""
+    have a leading axis of the groups. `shapes`: the parameters' own shapes where they are padded (TrainState.shapes:
+    fsdp's rows)."""
     s = strategies.get(par.strategy)
     group_step = s.steps().make_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule,
                                      bucket_mb=par.bucket_mb, reduce_dtype=par.reduce_dtype, check_vma=False,
@@ -155,7 +155,7 @@ def make_inner_step(graphdef, loss_fn, optimizer, mesh, grad_accum: int, schedul
     g = mesh.shape[GROUP]
 
     def one_group(inner, step, batch):
-        state = TrainState(step, inner["params"], inner["opt_state"], inner["rest"])
+        state = TrainState(step, inner["params"], inner["opt_state"], inner["rest"], None, shapes)
         new, metrics = group_step(state, batch)
         return {"params": new.params, "opt_state": new.opt_state, "rest": new.rest}, metrics
 
@@ -186,7 +186,8 @@ def fragments(names: list[str], n: int, every: int) -> list[tuple[tuple[int, ...
     return out
 
 
-def make_outer_step(mesh, outer: Outer, dtype: str, leaves: tuple[int, ...], write: bool, rest_too: bool):
+def make_outer_step(mesh, outer: Outer, dtype: str, leaves: tuple[int, ...], write: bool, rest_too: bool,
+                    rows: bool = False):  # fmt: skip
     """(groups' params, groups' rest, round params, outer state) -> (the groups' params, their rest, the round params,
     outer state, rest, metrics, digests) for the parameter leaves `leaves` (a fragment; every leaf for plain DiLoCo).
     `digests`: every device's digest of its new round values of the fragment, in the mesh's order, for Step to compare
@@ -194,8 +195,11 @@ def make_outer_step(mesh, outer: Outer, dtype: str, leaves: tuple[int, ...], wri
     device encodes its 1/n slice of its group's pseudo-gradient, all-gathers it over `group` (the one collective
     across groups), decodes and averages the G slices in a fixed order (so every device computes the same bits),
     and the slices are all-gathered over `data` (inside a group). write: the groups restart from the new round's
-    values now (else later, `make_mix`); rest_too: the groups' other variables averaged too."""
+    values now (else later, `make_mix`); rest_too: the groups' other variables averaged too. rows: the parameters,
+    the round's and its momentum are split in rows over `data` (fsdp's layout): each device's own rows are its part of
+    the pseudo-gradient, and its new rows stay where they are (no gather inside the group)."""
     g, n = mesh.shape[GROUP], mesh.shape[AXIS]
+    split = P(AXIS) if rows else P()
 
     def one(inner_params, inner_rest, theta, buf):
         flat_x, tree = jax.tree.flatten(inner_params)
@@ -205,9 +209,12 @@ def make_outer_step(mesh, outer: Outer, dtype: str, leaves: tuple[int, ...], wri
             [(flat_t[k].astype(jnp.float32) - flat_x[k][0].astype(jnp.float32)).ravel() for k in leaves]
         )
         size = delta.size
-        chunk = -(-size // (n * BLOCK)) * BLOCK
-        delta = jnp.pad(delta, (0, chunk * n - size))
-        mine = jax.lax.dynamic_slice(delta, (jax.lax.axis_index(AXIS) * chunk,), (chunk,))
+        if rows:  # this device's rows are its part
+            mine = jnp.pad(delta, (0, -size % BLOCK))
+        else:  # its 1/n slice of the whole
+            chunk = -(-size // (n * BLOCK)) * BLOCK
+            delta = jnp.pad(delta, (0, chunk * n - size))
+            mine = jax.lax.dynamic_slice(delta, (jax.lax.axis_index(AXIS) * chunk,), (chunk,))
         sent = _encode(mine, dtype)
         gathered = jax.lax.all_gather(sent, GROUP)  # every group's slice: the only bytes across groups
         each = [_decode([p[i] for p in gathered], dtype) for i in range(g)]
@@ -220,7 +227,7 @@ def make_outer_step(mesh, outer: Outer, dtype: str, leaves: tuple[int, ...], wri
         err, norm2 = jnp.sum(jnp.square(own - mine)), jnp.sum(jnp.square(mine))
         spread, err, norm2 = jax.lax.psum(jnp.stack([spread, err, norm2]), AXIS)
         err, norm2 = jax.lax.psum(jnp.stack([err, norm2]), GROUP)
-        full = jax.lax.all_gather(mean, AXIS, tiled=True)[:size]
+        full = mean[:size] if rows else jax.lax.all_gather(mean, AXIS, tiled=True)[:size]
         offsets = np.cumsum([0] + [t.size for t in mine_t])
         avg = [full[a:b].reshape(t.shape) for a, b, t in zip(offsets[:-1], offsets[1:], mine_t, strict=True)]
         new_x, new_t, new_b = list(flat_x), list(flat_t), list(flat_b)
@@ -237,8 +244,9 @@ def make_outer_step(mesh, outer: Outer, dtype: str, leaves: tuple[int, ...], wri
         rest = jax.tree.map(lambda r: jax.lax.pmean(r[0], GROUP) if jnp.issubdtype(r.dtype, jnp.inexact) else r[0],
                             inner_rest)  # fmt: skip
         rest_g = jax.tree.map(lambda v: v[None], rest) if rest_too else inner_rest
+        norm2_avg = sum(jnp.sum(jnp.square(a)) for a in avg)
         metrics = {
-            "outer_grad_norm": jnp.sqrt(sum(jnp.sum(jnp.square(a)) for a in avg)),
+            "outer_grad_norm": jnp.sqrt(jax.lax.psum(norm2_avg, AXIS) if rows else norm2_avg),
             "outer_divergence": jnp.sqrt(spread / g),  # RMS over the groups of |pseudo-gradient - their mean|
             "outer_quant_error": jnp.sqrt(err / jnp.maximum(norm2, 1e-30)),  # |decoded - sent| / |sent|
         }
@@ -246,12 +254,13 @@ def make_outer_step(mesh, outer: Outer, dtype: str, leaves: tuple[int, ...], wri
 
     # check_vma=False: the results are the same on every device (each computes them from the same gathered bytes in
     # the same order), which shard_map cannot see through the all-gathers.
-    sharded = jax.shard_map(one, mesh=mesh, in_specs=(P(GROUP), P(GROUP), P(), P()),
-                            out_specs=(P(GROUP), P(GROUP), P(), P(), P(), P(), P()), check_vma=False)  # fmt: skip
+    mine = P(GROUP, *split)
+    sharded = jax.shard_map(one, mesh=mesh, in_specs=(mine, P(GROUP), split, split),
+                            out_specs=(mine, P(GROUP), split, split, P(), P(), P()), check_vma=False)  # fmt: skip
     return jax.jit(sharded, donate_argnums=(0, 1, 2, 3))
 
 
-def make_mix(mesh, leaves: tuple[int, ...], alpha: float):
+def make_mix(mesh, leaves: tuple[int, ...], alpha: float, rows: bool = False):
     """(groups' params, round params) -> the groups' params with the leaves `leaves` set to alpha x theirs + (1 -
     alpha) x the round's (streaming DiLoCo's delayed outer step landing; alpha 0: the round's exactly)."""
 
@@ -264,7 +273,9 @@ def make_mix(mesh, leaves: tuple[int, ...], alpha: float):
             flat_x[k] = t if alpha == 0 else mixed.astype(t.dtype)
         return jax.tree.unflatten(tree, flat_x)
 
-    sharded = jax.shard_map(one, mesh=mesh, in_specs=(P(GROUP), P()), out_specs=P(GROUP), check_vma=False)
+    split = P(AXIS) if rows else P()
+    sharded = jax.shard_map(one, mesh=mesh, in_specs=(P(GROUP, *split), split), out_specs=P(GROUP, *split),
+                            check_vma=False)  # fmt: skip
     return jax.jit(sharded, donate_argnums=(0,))
 
 
@@ -275,16 +286,17 @@ class Step:
     mean), so no number crosses groups between syncs; a sync's step adds the outer metrics and
     `outer_bytes_per_step` (what each group receives across the slow link per step, averaged over the round)."""
 
-    def __init__(self, inner, mesh, par, names: list[str], sizes: list[int]):
+    def __init__(self, inner, mesh, par, names: list[str], sizes: list[int], rows: bool = False):
         self.inner, self.mesh, self.every = inner, mesh, par.outer_every
         self.delay = getattr(par, "outer_delay", 0)
         n = getattr(par, "fragments", 1)
         self.fragments = fragments(names, n, self.every)
         outer = outer_optimizer(par.outer_lr, par.outer_momentum)
         last = max(range(n), key=lambda f: self.fragments[f][1] == 0)  # the one at the end of the round
-        self.outer = [make_outer_step(mesh, outer, par.outer_dtype, leaves, not self.delay, f == last)
+        self.rows = rows  # the parameters split in rows over `data` (fsdp inside the groups)
+        self.outer = [make_outer_step(mesh, outer, par.outer_dtype, leaves, not self.delay, f == last, rows)
                       for f, (leaves, _) in enumerate(self.fragments)]  # fmt: skip
-        self.mix = [make_mix(mesh, leaves, getattr(par, "outer_mix", 0.0)) for leaves, _ in self.fragments]
+        self.mix = [make_mix(mesh, leaves, getattr(par, "outer_mix", 0.0), rows) for leaves, _ in self.fragments]
         g = mesh.shape[GROUP]
         payload = sum(payload_bytes(sum(sizes[k] for k in leaves), par.outer_dtype) for leaves, _ in self.fragments)
         self.bytes_per_step = payload * (g - 1) / self.every
@@ -327,13 +339,16 @@ class Step:
         """Every device's new round values of each fragment synced since the last call must be the same bits
         (computed apart on every device from the same gathered bytes): else stop, naming the devices that differ."""
         for at, digests in self.unchecked:
-            every = np.asarray(digests.addressable_data(0)).ravel()
-            if bad := np.flatnonzero(every != every[0]).tolist():
+            every = np.asarray(digests.addressable_data(0)).reshape(self.mesh.shape[GROUP], -1)
+            # Each device of a group holds the whole round (its digest is device 0's), or its own rows of it (the
+            # same device of every group holds the same rows: group 0's is the one to equal).
+            differs = every != (every[:1] if self.rows else every[0, 0])
+            if bad := np.flatnonzero(differs.ravel()).tolist():
                 devices = list(self.mesh.devices.flat)
                 named = ", ".join(f"{devices[i]} (process {devices[i].process_index})" for i in bad)
                 raise RuntimeError(
                     f"the groups disagree after the sync at step {at}: the round's parameters on {named} differ from "
-                    f"device 0's (a device computed the outer step from other values: corrupted memory, or a "
+                    f"{'group 0' if self.rows else 'device 0'}'s (a device computed the outer step from other values: corrupted memory, or a "
                     f"nondeterministic kernel)"
                 )
         self.unchecked = []
@@ -360,16 +375,17 @@ def _local(per_group: dict) -> dict:
     return out
 
 
-def make_train_step(graphdef, loss_fn, optimizer, mesh, grad_accum: int, schedule, par, params) -> Any:
-    """DiLoCo's train step for the parameters `params` (their names place them in fragments)."""
-    inner = make_inner_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, par)
-    sizes = [math.prod(x.shape) for x in jax.tree.leaves(params)]
-    return RefusingDonated(Step(inner, mesh, par, param_names(params), sizes))
+def make_train_step(graphdef, loss_fn, optimizer, mesh, grad_accum: int, schedule, par, state: TrainState) -> Any:
+    """DiLoCo's train step for the strategy's state `state` (its parameters' names place them in fragments)."""
+    inner = make_inner_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, par, state.shapes)
+    sizes = [math.prod(x.shape) for x in jax.tree.leaves(state.param_shapes())]
+    step = Step(inner, mesh, par, param_names(state.params), sizes, rows=state.shapes is not None)
+    return RefusingDonated(step)
 
 
 def assemble(graphdef, state: TrainState, loss_fn, optimizer, mesh, par, grad_accum: int, schedule):
     """(state, train step) of DiLoCo from a ddp state made on the (`group`, `data`) mesh (parallelize.assemble)."""
-    step = make_train_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, par, state.params)
+    step = make_train_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, par, state)
     return init(state, mesh, outer_optimizer(par.outer_lr, par.outer_momentum)), step
 
 
