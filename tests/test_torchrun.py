@@ -128,6 +128,26 @@ def test_torchrun_on_two_nodes_with_c10d_rendezvous(env, tmp_path, launched_2x2)
     assert_same_training(launched_2x2, d)
 
 
+def test_torchrun_trains_diloco_as_jdp_launch_does(env, tmp_path):
+    """parallel.sync=diloco under `torchrun --nproc-per-node 2` (a group per process: parallel.groups=2, H=4, fsdp
+    inside each group of 2 devices, on JAX 0.10 in CI): every loss and the round's parameters equal the same run
+    under `jdp launch` bit for bit."""
+    diloco = [*TRAIN, "train.steps=8", "train.eval_every=0", "parallel.sync=diloco", "parallel.groups=2",
+              "parallel.outer_every=4", "parallel.strategy=fsdp"]  # fmt: skip
+    launcher = [str(BIN / "jdp"), "launch", "--nproc-per-node", "2", "--devices-per-proc", "2", "--"]
+    ref = run([*launcher, *diloco, f"train.run_dir={tmp_path / 'launch'}"], env)
+    assert ref.returncode == 0, ref.stderr[-4000:]
+    argv = [str(TORCHRUN), "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "jdp.cli"]
+    out = run([*argv, *diloco, f"train.run_dir={tmp_path / 'torchrun'}"], env)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "parallel.sync=diloco: 2 groups, synced every 4 steps" in out.stdout + out.stderr
+    steps = [read_metrics(tmp_path / d / "metrics.jsonl") for d in ("launch", "torchrun")]
+    a, b = ({r["step"]: r["loss"] for r in records if "loss" in r} for records in steps)
+    assert a == b and sorted(b) == list(range(1, 9))
+    assert [r["step"] for r in steps[1] if "outer_grad_norm" in r] == [4, 8]
+    assert summary(tmp_path / "launch")["params_sha256"] == summary(tmp_path / "torchrun")["params_sha256"]
+
+
 def kill_tree(p: subprocess.Popen) -> None:
     for child in psutil.Process(p.pid).children(recursive=True):
         child.kill()
