@@ -28,6 +28,7 @@ pytestmark = [
 PORT = 29400
 HEARTBEAT_S = 6  # parallel.heartbeat_timeout_s in these jobs: a lost host is noticed within it
 STEPS = ["train.steps=20", "train.ckpt_every=5", "train.log_every=1"]  # the job every test runs or starts
+DILOCO = ["parallel.sync=diloco", "parallel.outer_every=4"]  # one group per host: the slow link between the groups
 
 
 @pytest.fixture(scope="module")
@@ -140,20 +141,26 @@ def test_a_killed_host_stops_every_other_host_within_the_bound(env, tmp_path, lo
         assert "lost the job's coordinator (process 0)" in log, log[-3000:]
 
 
-def test_a_partitioned_host_stops_on_both_sides_within_the_bound_and_the_rerun_resumes(env, tmp_path, reference):
+@pytest.mark.parametrize("sync", ["step", "diloco"])
+def test_a_partitioned_host_stops_on_both_sides_within_the_bound_and_the_rerun_resumes(env, tmp_path, reference, sync):
     """Host 1's link goes down with its processes alive: no connection is reset, only heartbeats stop. Both sides
     exit non-zero within the bound (the partitioned one too: it cannot reach the coordinator), nothing is left.
-    Healed, the same commands resume from the last checkpoint and end bit for bit as the uninterrupted run."""
-    d = tmp_path / "run"
+    Healed, the same commands resume from the last checkpoint and end bit for bit as the uninterrupted run. Under
+    DiLoCo (a group per host, H=4) too, where nothing crosses between the hosts for 3 steps of 4."""
+    d, steps = tmp_path / "run", STEPS
+    if sync == "diloco":
+        steps = [*STEPS, *DILOCO]
+        reference = tmp_path / "reference"
+        run(reference, env, (4, 1), [*steps, f"parallel.heartbeat_timeout_s={HEARTBEAT_S}", "parallel.groups=2"])
     with Hosts(2) as hosts:
-        procs = [launch(hosts, i, d, STEPS, env=env) for i in range(2)]
+        procs = [launch(hosts, i, d, steps, env=env) for i in range(2)]
         started(d, after_checkpoint=True)
         hosts.partition(1)
         codes, seconds = exits(procs, BOUND_S + 90)
         left = [hosts.pids(i) for i in range(2)]
         logs = [(tmp_path / f"run-host{i}.log").read_text() for i in range(2)]
         hosts.heal(1)
-        again = [launch(hosts, i, d, STEPS, env=env, log=tmp_path / f"again-host{i}.log") for i in range(2)]
+        again = [launch(hosts, i, d, steps, env=env, log=tmp_path / f"again-host{i}.log") for i in range(2)]
         rerun = wait_all(again, 300)
         resumed = (tmp_path / "again-host0.log").read_text()
     assert rerun == [0, 0] and "resuming from the checkpoint at step" in resumed, resumed[-3000:]
@@ -222,7 +229,6 @@ def test_a_slow_lossy_link_trains_the_same_losses(env, tmp_path, reference):
     assert summary(d)["params_sha256"] == summary(reference)["params_sha256"]
 
 
-DILOCO = ["parallel.sync=diloco", "parallel.outer_every=4"]  # one group per host: the slow link between the groups
 
 
 @pytest.mark.skipif(bool(shape_unavailable()), reason=f"no link can be shaped here: {shape_unavailable()}")
