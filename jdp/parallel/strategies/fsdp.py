@@ -206,11 +206,12 @@ class Axes:
     n: int
     replica: str | None
     batch: object
+    checked: bool = True  # shard_map checks the values' types (check_vma): the rows' cast sums across `replica`
 
     @staticmethod
-    def of(mesh: jax.sharding.Mesh) -> Axes:
+    def of(mesh: jax.sharding.Mesh, checked: bool = True) -> Axes:
         replica = REPLICA if REPLICA in mesh.axis_names else None
-        return Axes(shard_axis(mesh), shard_count(mesh), replica, batch_axes(mesh, within_group=True))
+        return Axes(shard_axis(mesh), shard_count(mesh), replica, batch_axes(mesh, within_group=True), checked)
 
 
 def _gather(shards: list, shapes: list, axes: Axes) -> list:
@@ -265,7 +266,10 @@ def _gatherer(shapes: tuple, dtypes: tuple, axes: Axes, reduce_dtype: str):
         return gather(shards), None
 
     def bwd(_, grads):
-        return (tuple(_scatter(list(grads), axes, reduce_dtype, list(dtypes))),)
+        rows = _scatter(list(grads), axes, reduce_dtype, list(dtypes))
+        if axes.replica and not axes.checked:  # no typed cast to sum the shard across the replicas: sum it here
+            rows = [jax.lax.psum(r, axes.replica) for r in rows]
+        return (tuple(rows),)
 
     gather.defvjp(fwd, bwd)
 
@@ -301,7 +305,7 @@ class Units:
     outer: tuple
 
     @staticmethod
-    def of_names(names: list[str], mesh: jax.sharding.Mesh | None = None, model=None) -> Units:
+    def of_names(names: list[str], mesh: jax.sharding.Mesh | None = None, model=None, checked: bool = True) -> Units:
         blocks: dict = {}
         modules: dict = {}
         outer = []
@@ -313,7 +317,7 @@ class Units:
                 modules.setdefault(head, []).append(k)
             else:
                 outer.append(k)
-        return Units(Axes.of(mesh) if mesh is not None else None, {key: tuple(v) for key, v in blocks.items()},
+        return Units(Axes.of(mesh, checked) if mesh is not None else None, {key: tuple(v) for key, v in blocks.items()},
                      {key: tuple(v) for key, v in modules.items()}, tuple(outer))  # fmt: skip
 
     def all(self) -> list[tuple]:
@@ -538,7 +542,7 @@ def split_step(
         raise ValueError(f"a communication hook reduces ddp's buckets; strategy='{name}' has none to hook")
     n = mesh.devices.size // (mesh.shape[GROUP] if GROUP in mesh.axis_names else 1)
     lay = layout(mesh)
-    axes = Axes.of(mesh)
+    axes = Axes.of(mesh, check_vma)
 
     def step(state: TrainState, batch: Batch):
         check_batch(batch, n, grad_accum)
@@ -550,7 +554,7 @@ def split_step(
                 f"init_state(model, optimizer, mesh, strategy='{name}') (or move it with relayout)"
             )
         abstract = _abstract(graphdef, state.param_shapes(), state.rest)
-        units = Units.of_names(param_names(state.params), mesh, abstract)
+        units = Units.of_names(param_names(state.params), mesh, abstract, check_vma)
         build = units.model_of(graphdef, state.shapes, reduce_dtype, reshard)
 
         def forward(loss_fn, params, rest, micro, sinks=None):

@@ -13,7 +13,7 @@ import optax
 
 from jdp.parallel.comm_hooks import CommHook
 from jdp.parallel.costs import Buckets, Collectives, Memory, Traffic
-from jdp.parallel.mesh import REPLICA, SHARD
+from jdp.parallel.mesh import GROUP, REPLICA, SHARD
 from jdp.parallel.step import LossFn
 from jdp.parallel.strategies import fsdp
 
@@ -22,6 +22,7 @@ __all__ = [
     "block_policy",
     "layout",
     "make_eval_step",
+    "make_step",
     "make_train_step",
     "opt_shardings",
     "report_units",
@@ -68,6 +69,34 @@ def make_train_step(
     _check_mesh(mesh, shard_size)
     return fsdp.split_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, reduce_dtype, comm_hook,
                            reshard_after_forward, "hsdp", accumulate_unsharded)  # fmt: skip
+
+
+def make_step(
+    graphdef,
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    mesh: jax.sharding.Mesh,
+    grad_accum: int = 1,
+    schedule: optax.Schedule | None = None,
+    *,
+    bucket_mb: float = 25.0,
+    reduce_dtype: str = "float32",
+    comm_hook: CommHook | None = None,
+    check_vma: bool = True,
+    reshard_after_forward: bool = True,
+    accumulate_unsharded: bool = False,
+    shard_size: int = 0,
+):
+    """make_train_step's (state, batch) -> (state, metrics), not jitted, on DiLoCo's (`group`, `replica`, `shard`)
+    mesh: one group's hsdp step, its collectives over `replica` and `shard` only (DiLoCo maps it over the groups)."""
+    if tuple(mesh.axis_names) != (GROUP, REPLICA, SHARD):
+        raise ValueError(f"hsdp's step inside DiLoCo's groups runs on a ('{GROUP}', '{REPLICA}', '{SHARD}') mesh "
+                         f"(this one has axes {tuple(mesh.axis_names)})")  # fmt: skip
+    if shard_size and mesh.shape[SHARD] != shard_size:
+        raise ValueError(f"parallel.shard_size={shard_size} but the mesh's shards hold {mesh.shape[SHARD]} devices")
+    return fsdp.split_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, reduce_dtype, comm_hook,
+                           reshard_after_forward, "hsdp", accumulate_unsharded, jitted=False,
+                           check_vma=check_vma)  # fmt: skip
 
 
 NODE = 8  # the group the planner assumes when parallel.shard_size is not set: one node of 8 GPUs

@@ -97,6 +97,13 @@ class Sync:
                     f"parallel.groups={g} does not split the {n_devices} devices into equal groups: use one of "
                     f"{fits} (0: one group per host)"
                 )
+            k = getattr(parallel, "shard_size", 0)  # hsdp's (another strategy refuses it as not its option)
+            if g and n_devices and n_devices % g == 0 and k and (n_devices // g) % k:
+                fits = [d for d in range(1, n_devices // g + 1) if (n_devices // g) % d == 0]
+                out.append(
+                    f"parallel.shard_size={k} must split each of the {g} groups' {n_devices // g} devices into equal "
+                    f"shards (hsdp inside each group): use one of {fits}"
+                )
             f, h, d = getattr(parallel, "fragments", 1), parallel.outer_every, getattr(parallel, "outer_delay", 0)
             if h % f:
                 out.append(
@@ -129,7 +136,7 @@ REGISTRY: dict[str, Sync] = {
             "groups of devices train apart for parallel.outer_every steps, then average their pseudo-gradients and "
             "take one outer Nesterov step (DiLoCo)",
             options=DILOCO,
-            strategies=("ddp", "zero1", "fsdp"),
+            strategies=("ddp", "zero1", "fsdp", "hsdp"),
         ),
         Sync(
             "streaming",
@@ -137,7 +144,7 @@ REGISTRY: dict[str, Sync] = {
             "DiLoCo with the model in parallel.fragments fragments synced at staggered steps, each outer step landing "
             "parallel.outer_delay steps later (Streaming DiLoCo)",
             options=(*DILOCO, "fragments", "outer_delay", "outer_mix"),
-            strategies=("ddp", "zero1", "fsdp"),
+            strategies=("ddp", "zero1", "fsdp", "hsdp"),
         ),
     )
 }

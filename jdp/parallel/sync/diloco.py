@@ -39,17 +39,23 @@ from jdp.errors import ConfigError
 from jdp.parallel import strategies
 from jdp.parallel.costs import BLOCK, payload_bytes
 from jdp.parallel.guards import RefusingDonated, checking_rows
-from jdp.parallel.mesh import AXIS, GROUP, per_group
+from jdp.parallel.mesh import AXIS, GROUP, REPLICA, SHARD, per_group, shard_axis
 from jdp.parallel.step import TrainState, leaf_digest, param_names
 
 __all__ = ["GROUP", "assemble", "host_groups", "make_mesh", "make_train_step", "mesh", "outer_optimizer"]
 
-def make_mesh(groups: int, devices: list | None = None) -> jax.sharding.Mesh:
-    """A 2-D mesh (`group`, `data`) of the devices in their usual order: `groups` contiguous blocks (a host's)."""
+def make_mesh(groups: int, devices: list | None = None, shard_size: int = 0) -> jax.sharding.Mesh:
+    """A 2-D mesh (`group`, `data`) of the devices in their usual order: `groups` contiguous blocks (a host's);
+    with shard_size=K (hsdp inside each group) a 3-D one (`group`, `replica`, `shard`): each group's devices in
+    blocks of K, as jdp.make_mesh(shard_size=K) lays out all of them."""
     devices = jax.devices() if devices is None else list(devices)
     if groups < 1 or len(devices) % groups:
         raise ValueError(f"parallel.groups={groups} must split the {len(devices)} devices into equal groups")
-    return jax.sharding.Mesh(np.asarray(devices).reshape(groups, len(devices) // groups), (GROUP, AXIS))
+    per_group = len(devices) // groups
+    if shard_size and per_group % shard_size == 0:
+        blocks = np.asarray(devices).reshape(groups, per_group // shard_size, shard_size)
+        return jax.sharding.Mesh(blocks, (GROUP, REPLICA, SHARD))
+    return jax.sharding.Mesh(np.asarray(devices).reshape(groups, per_group), (GROUP, AXIS))
 
 
 def host_groups() -> int:
@@ -73,7 +79,8 @@ def mesh(par) -> jax.sharding.Mesh:
     """The mesh of `par.groups` groups (0: one per host). Groups that do not split the devices give one group:
     the config check (sync.Sync.problems) names them before anything runs."""
     groups = par.groups or host_groups()
-    return make_mesh(groups if jax.device_count() % groups == 0 else 1)
+    shard_size = par.shard_size if strategies.get(par.strategy).groups else 0  # hsdp's groups inside each
+    return make_mesh(groups if jax.device_count() % groups == 0 else 1, shard_size=shard_size)
 
 
 @dataclass(frozen=True)
@@ -187,7 +194,7 @@ def fragments(names: list[str], n: int, every: int) -> list[tuple[tuple[int, ...
 
 
 def make_outer_step(mesh, outer: Outer, dtype: str, leaves: tuple[int, ...], write: bool, rest_too: bool,
-                    rows: bool = False):  # fmt: skip
+                    rows: str | None = None):  # fmt: skip
     """(groups' params, groups' rest, round params, outer state) -> (the groups' params, their rest, the round params,
     outer state, rest, metrics, digests) for the parameter leaves `leaves` (a fragment; every leaf for plain DiLoCo).
     `digests`: every device's digest of its new round values of the fragment, in the mesh's order, for Step to compare
@@ -195,11 +202,15 @@ def make_outer_step(mesh, outer: Outer, dtype: str, leaves: tuple[int, ...], wri
     device encodes its 1/n slice of its group's pseudo-gradient, all-gathers it over `group` (the one collective
     across groups), decodes and averages the G slices in a fixed order (so every device computes the same bits),
     and the slices are all-gathered over `data` (inside a group). write: the groups restart from the new round's
-    values now (else later, `make_mix`); rest_too: the groups' other variables averaged too. rows: the parameters,
-    the round's and its momentum are split in rows over `data` (fsdp's layout): each device's own rows are its part of
-    the pseudo-gradient, and its new rows stay where they are (no gather inside the group)."""
-    g, n = mesh.shape[GROUP], mesh.shape[AXIS]
-    split = P(AXIS) if rows else P()
+    values now (else later, `make_mix`); rest_too: the groups' other variables averaged too. rows: the axis the
+    parameters, the round's and its momentum are split over in rows (fsdp's layout: `data`; hsdp's: `shard`): each
+    device's own rows, or its 1/R slice of them across hsdp's R replicas, are its part of the pseudo-gradient, and
+    its new rows stay where they are (no gather of the parameters inside the group)."""
+    g = mesh.shape[GROUP]
+    inside = tuple(a for a in mesh.axis_names if a != GROUP)  # a group's devices
+    apart = tuple(a for a in inside if a != rows)  # the axes a device's values are sliced over (each sends 1/n)
+    n = math.prod(mesh.shape[a] for a in apart)
+    split = P(rows) if rows else P()
 
     def one(inner_params, inner_rest, theta, buf):
         flat_x, tree = jax.tree.flatten(inner_params)
@@ -209,12 +220,13 @@ def make_outer_step(mesh, outer: Outer, dtype: str, leaves: tuple[int, ...], wri
             [(flat_t[k].astype(jnp.float32) - flat_x[k][0].astype(jnp.float32)).ravel() for k in leaves]
         )
         size = delta.size
-        if rows:  # this device's rows are its part
-            mine = jnp.pad(delta, (0, -size % BLOCK))
-        else:  # its 1/n slice of the whole
+        if apart:  # its 1/n slice of what it holds (the whole, or hsdp's rows)
             chunk = -(-size // (n * BLOCK)) * BLOCK
             delta = jnp.pad(delta, (0, chunk * n - size))
-            mine = jax.lax.dynamic_slice(delta, (jax.lax.axis_index(AXIS) * chunk,), (chunk,))
+            index = jax.lax.axis_index(apart[0] if len(apart) == 1 else apart)
+            mine = jax.lax.dynamic_slice(delta, (index * chunk,), (chunk,))
+        else:  # fsdp: this device's rows are its part
+            mine = jnp.pad(delta, (0, -size % BLOCK))
         sent = _encode(mine, dtype)
         gathered = jax.lax.all_gather(sent, GROUP)  # every group's slice: the only bytes across groups
         each = [_decode([p[i] for p in gathered], dtype) for i in range(g)]
@@ -225,9 +237,9 @@ def make_outer_step(mesh, outer: Outer, dtype: str, leaves: tuple[int, ...], wri
         own = _decode(sent, dtype)
         spread = sum(jnp.sum(jnp.square(e - mean)) for e in each)
         err, norm2 = jnp.sum(jnp.square(own - mine)), jnp.sum(jnp.square(mine))
-        spread, err, norm2 = jax.lax.psum(jnp.stack([spread, err, norm2]), AXIS)
+        spread, err, norm2 = jax.lax.psum(jnp.stack([spread, err, norm2]), inside)
         err, norm2 = jax.lax.psum(jnp.stack([err, norm2]), GROUP)
-        full = mean[:size] if rows else jax.lax.all_gather(mean, AXIS, tiled=True)[:size]
+        full = jax.lax.all_gather(mean, apart, tiled=True)[:size] if apart else mean[:size]
         offsets = np.cumsum([0] + [t.size for t in mine_t])
         avg = [full[a:b].reshape(t.shape) for a, b, t in zip(offsets[:-1], offsets[1:], mine_t, strict=True)]
         new_x, new_t, new_b = list(flat_x), list(flat_t), list(flat_b)
@@ -239,14 +251,14 @@ def make_outer_step(mesh, outer: Outer, dtype: str, leaves: tuple[int, ...], wri
         mine_digest = jnp.zeros((), jnp.uint32)
         for k in leaves:
             mine_digest = mine_digest * jnp.uint32(31) + leaf_digest(new_t[k])
-        digests = jax.lax.all_gather(mine_digest, (GROUP, AXIS), tiled=False)  # a few bytes, once a sync
+        digests = jax.lax.all_gather(mine_digest, (GROUP, *inside), tiled=False)  # a few bytes, once a sync
         unflat = lambda v: jax.tree.unflatten(tree, v)  # noqa: E731
         rest = jax.tree.map(lambda r: jax.lax.pmean(r[0], GROUP) if jnp.issubdtype(r.dtype, jnp.inexact) else r[0],
                             inner_rest)  # fmt: skip
         rest_g = jax.tree.map(lambda v: v[None], rest) if rest_too else inner_rest
         norm2_avg = sum(jnp.sum(jnp.square(a)) for a in avg)
         metrics = {
-            "outer_grad_norm": jnp.sqrt(jax.lax.psum(norm2_avg, AXIS) if rows else norm2_avg),
+            "outer_grad_norm": jnp.sqrt(jax.lax.psum(norm2_avg, rows) if rows else norm2_avg),
             "outer_divergence": jnp.sqrt(spread / g),  # RMS over the groups of |pseudo-gradient - their mean|
             "outer_quant_error": jnp.sqrt(err / jnp.maximum(norm2, 1e-30)),  # |decoded - sent| / |sent|
         }
@@ -260,7 +272,7 @@ def make_outer_step(mesh, outer: Outer, dtype: str, leaves: tuple[int, ...], wri
     return jax.jit(sharded, donate_argnums=(0, 1, 2, 3))
 
 
-def make_mix(mesh, leaves: tuple[int, ...], alpha: float, rows: bool = False):
+def make_mix(mesh, leaves: tuple[int, ...], alpha: float, rows: str | None = None):
     """(groups' params, round params) -> the groups' params with the leaves `leaves` set to alpha x theirs + (1 -
     alpha) x the round's (streaming DiLoCo's delayed outer step landing; alpha 0: the round's exactly)."""
 
@@ -273,7 +285,7 @@ def make_mix(mesh, leaves: tuple[int, ...], alpha: float, rows: bool = False):
             flat_x[k] = t if alpha == 0 else mixed.astype(t.dtype)
         return jax.tree.unflatten(tree, flat_x)
 
-    split = P(AXIS) if rows else P()
+    split = P(rows) if rows else P()
     sharded = jax.shard_map(one, mesh=mesh, in_specs=(P(GROUP, *split), split), out_specs=P(GROUP, *split),
                             check_vma=False)  # fmt: skip
     return jax.jit(sharded, donate_argnums=(0,))
@@ -286,14 +298,14 @@ class Step:
     mean), so no number crosses groups between syncs; a sync's step adds the outer metrics and
     `outer_bytes_per_step` (what each group receives across the slow link per step, averaged over the round)."""
 
-    def __init__(self, inner, mesh, par, names: list[str], sizes: list[int], rows: bool = False):
+    def __init__(self, inner, mesh, par, names: list[str], sizes: list[int], rows: str | None = None):
         self.inner, self.mesh, self.every = inner, mesh, par.outer_every
         self.delay = getattr(par, "outer_delay", 0)
         n = getattr(par, "fragments", 1)
         self.fragments = fragments(names, n, self.every)
         outer = outer_optimizer(par.outer_lr, par.outer_momentum)
         last = max(range(n), key=lambda f: self.fragments[f][1] == 0)  # the one at the end of the round
-        self.rows = rows  # the parameters split in rows over `data` (fsdp inside the groups)
+        self.rows = rows  # the axis the parameters are split over in rows (fsdp or hsdp inside the groups)
         self.outer = [make_outer_step(mesh, outer, par.outer_dtype, leaves, not self.delay, f == last, rows)
                       for f, (leaves, _) in enumerate(self.fragments)]  # fmt: skip
         self.mix = [make_mix(mesh, leaves, getattr(par, "outer_mix", 0.0), rows) for leaves, _ in self.fragments]
@@ -379,7 +391,7 @@ def make_train_step(graphdef, loss_fn, optimizer, mesh, grad_accum: int, schedul
     """DiLoCo's train step for the strategy's state `state` (its parameters' names place them in fragments)."""
     inner = make_inner_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, par, state.shapes)
     sizes = [math.prod(x.shape) for x in jax.tree.leaves(state.param_shapes())]
-    step = Step(inner, mesh, par, param_names(state.params), sizes, rows=state.shapes is not None)
+    step = Step(inner, mesh, par, param_names(state.params), sizes, rows=shard_axis(mesh) if state.shapes is not None else None)
     return RefusingDonated(step)
 
 
