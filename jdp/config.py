@@ -131,6 +131,10 @@ class TrainConfig:
     init_from: str = ""  # a local Hugging Face GPT-2 directory to start from (a resumed run uses its checkpoint)
     callbacks: str = ""  # module:name[,module:name]: jdp.Callback objects of your own, run after jdp's (callbacks.py)
     memory_check: bool = True  # refuse, before allocating, a run whose planned bytes per device exceed the device's
+    live: bool = False  # live membership (torchft): a lost process costs one step, a joiner copies a peer (live.py)
+    live_min: int = 1  # train.live: members a step needs (fewer: the step waits for joiners)
+    live_timeout_s: float = 10.0  # train.live: a member's all-reduce or RPC silent this long is lost
+    lighthouse: str = ""  # train.live: torchft Lighthouse address (default: the TORCHFT_LIGHTHOUSE variable)
 
 
 @dataclass(frozen=True)

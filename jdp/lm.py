@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jdp import hf
+from jdp import hf, live
 from jdp.build import comm_hook
 from jdp.config import Config, ConfigError, Derived
 from jdp.data.dataset import Source
@@ -32,6 +32,8 @@ log = logger("jdp.lm")
 def train(cfg: Config, world: World | None = None, explicit: frozenset[str] = frozenset()) -> dict:
     """Train the configured model; returns the last train and eval metrics (and the final state). `explicit`: the
     keys the user set on the command line (`model.d_model`, ...), which an import must agree with."""
+    if cfg.train.live:  # each process one member of torchft's quorum, not one part of a JAX job (live.py)
+        return live.train(cfg)
     cfg, adopted = checked_import(cfg, explicit) if cfg.train.init_from else (cfg, [])
     return LanguageModel(cfg, world, adopted).fit()
 

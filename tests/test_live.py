@@ -1,0 +1,157 @@
+"""train.live=true: members lost and joining mid-run through torchft's quorum, in the same processes, every row once.
+
+Real processes on loopback and a real torchft Lighthouse. They run where torchft is installed (CI: the oldest stack,
+beside torch 2.13.0); elsewhere they are skipped with that reason, printed by CI (`pytest -rs`).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jdp.config import load_config
+from jdp.job.launch import free_port
+from jdp.metrics import read_metrics
+
+pytestmark = [pytest.mark.slow, pytest.mark.alone]  # several processes and a Lighthouse on fixed ports
+BIN = Path(sys.executable).parent
+LIGHTHOUSE = BIN / "torchft_lighthouse"
+if not LIGHTHOUSE.exists():
+    pytest.skip(
+        f"torchft is not installed beside {sys.executable} (pip install 'jdp[live]'); CI runs these on its oldest "
+        "stack, which has torch",
+        allow_module_level=True,
+    )
+
+# A small, fast model on the embedded corpus: 16 rows a step, split over the members.
+MODEL = ["model.n_layers=2", "model.d_model=64", "model.max_seq_len=64", "data.seq_len=64", "train.batch_size=16"]
+TRAIN = ["train", "configs/tiny.yaml", *MODEL, "train.progress=false", "train.log_every=1"]
+
+
+class Job:
+    """A Lighthouse and the members started against it; every process it started is ended on exit."""
+
+    def __init__(self, tmp: Path, min_members: int = 1):
+        self.tmp, self.port, self.procs, self.min = tmp, free_port(), [], min_members
+        self.lighthouse = subprocess.Popen(
+            [str(LIGHTHOUSE), "--min_replicas", str(min_members), "--join_timeout_ms", "500", "--quorum_tick_ms", "50",
+             "--bind", f"[::]:{self.port}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def member(self, steps: int, run_dir: Path, *extra: str) -> subprocess.Popen:
+        args = [*TRAIN, "train.live=true", f"train.lighthouse=http://127.0.0.1:{self.port}", f"train.steps={steps}",
+                f"train.live_min={self.min}"]
+        log = (self.tmp / f"member{len(self.procs)}-{self.port}.log").open("w")
+        p = subprocess.Popen([sys.executable, "-m", "jdp.cli", *args, f"train.run_dir={run_dir}", *extra],
+                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "JDP_LIVE_ADDR": "127.0.0.1"})  # fmt: skip
+        self.procs.append(p)
+        return p
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for p in [*self.procs, self.lighthouse]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def lines(run_dir: Path, pid: int) -> list[dict]:
+    path = next(run_dir.glob(f"live-*_{pid}.jsonl"), None)
+    return [json.loads(x) for x in path.read_text().splitlines()] if path else []
+
+
+def wait_for_step(run_dir: Path, pid: int, step: int, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (got := lines(run_dir, pid)) and got[-1]["step"] >= step:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"member {pid} did not reach step {step} in {timeout} s")
+
+
+def global_batches(steps: int) -> list[list[int]]:
+    """The window indices of global batches 0..steps-1, as jdp's data pipeline orders them (seed 0)."""
+    from jdp.data.pipeline import load_data
+
+    cfg = load_config("configs/tiny.yaml", MODEL)
+    order = load_data(cfg.data, cfg.model.vocab_size, cfg.train.batch_size, cfg.train.seed).train.order
+    return [sorted(order.indices(s).tolist()) for s in range(steps)]
+
+
+def params(run_dir: Path, pid: int) -> np.ndarray:
+    return np.load(next(run_dir.glob(f"live-*_{pid}-params.npy")))
+
+
+def test_one_member_trains_as_a_plain_run(tmp_path):
+    """A live run of one member takes the plain run's steps: the same losses step by step."""
+    steps = 8
+    plain = subprocess.run([sys.executable, "-m", "jdp.cli", *TRAIN, f"train.steps={steps}",
+                            f"train.run_dir={tmp_path / 'plain'}"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    with Job(tmp_path) as job:
+        p = job.member(steps, tmp_path / "live")
+        assert p.wait(timeout=300) == 0, next(tmp_path.glob("member0-*.log")).read_text()[-3000:]
+    live = lines(tmp_path / "live", p.pid)
+    want = [m["loss"] for m in read_metrics(tmp_path / "plain" / "metrics.jsonl") if "loss" in m and m.get("step", 0) >= 1][:steps]
+    assert [m["step"] for m in live] == list(range(1, steps + 1))
+    np.testing.assert_allclose([m["loss"] for m in live], want, rtol=2e-5)
+
+
+def test_a_killed_member_costs_a_step_and_a_joiner_copies_a_peer(tmp_path):
+    """3 members; one SIGKILLed at step 8: the other two go on in the same processes (the broken step done again by
+    them), a new process joins with a peer's state, every row of every step is trained exactly once, and the
+    members end with the same parameters as one member alone. The quorum needs 2 members (the Lighthouse's
+    --min_replicas and train.live_min): no two quorums of 3 processes can form at once."""
+    steps, run = 400, tmp_path / "run"  # a joiner takes 10-20 s to start here: it must find the run going
+    with Job(tmp_path, min_members=2) as job:
+        a, b, c = (job.member(steps, run) for _ in range(3))
+        wait_for_step(run, c.pid, 8)
+        c.send_signal(signal.SIGKILL)
+        c.wait()
+        d = job.member(steps, run)  # a new process joins while the survivors go on
+        for p in (a, b, d):
+            logs = "\n".join(log.read_text()[-2000:] for log in sorted(tmp_path.glob("member*.log")))
+            assert p.wait(timeout=300) == 0, logs
+    with Job(tmp_path) as job:
+        ref = job.member(steps, tmp_path / "alone")
+        assert ref.wait(timeout=300) == 0
+    a_lines, b_lines, c_lines, d_lines = (lines(run, p.pid) for p in (a, b, c, d))
+    # The survivors never restarted (the processes the test started ended the run, exit 0): after the kill they
+    # trained at least one step without the killed member, and both ended in the final quorum with the joiner.
+    after = [m for m in a_lines if m["step"] > 8]
+    assert any(m["members"] == sorted([a.pid, b.pid]) for m in after), "no step by the survivors alone"
+    assert a_lines[-1]["step"] == b_lines[-1]["step"] == steps
+    assert a_lines[-1]["members"] == sorted([a.pid, b.pid, d.pid]), "the joiner never entered the quorum"
+    # The joiner copied a peer's state (its first step is past 1) and finished with the others.
+    assert d_lines and d_lines[0]["step"] > 8 and d_lines[-1]["step"] == steps
+    # Every row of every step exactly once, over whoever trained it.
+    rows: dict[int, Counter] = {}
+    for m in a_lines + b_lines + c_lines + d_lines:
+        rows.setdefault(m["step"], Counter()).update(m["rows"])
+    want = global_batches(steps)
+    for s in range(1, steps + 1):
+        assert sorted(rows[s].elements()) == want[s - 1], f"step {s}: rows {sorted(rows[s].elements())}"
+    # Replicas identical, and the arithmetic of one member alone (to the order of float32 sums).
+    pa = params(run, a.pid)
+    np.testing.assert_array_equal(pa, params(run, b.pid))
+    np.testing.assert_array_equal(pa, params(run, d.pid))
+    np.testing.assert_allclose(pa, params(tmp_path / "alone", ref.pid), rtol=0, atol=2e-4)
+
+
+def test_the_config_refuses_what_live_cannot_do(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "jdp.cli", *TRAIN, "train.live=true", "parallel.strategy=fsdp",
+                        "train.grad_accum=2", f"train.run_dir={tmp_path}"], capture_output=True, text=True,
+                       timeout=120, env={k: v for k, v in os.environ.items() if k != "TORCHFT_LIGHTHOUSE"})  # fmt: skip
+    assert r.returncode == 2
+    for needed in ("parallel.strategy=ddp", "train.grad_accum=1", "train.lighthouse="):
+        assert needed in r.stderr, r.stderr[-2000:]
