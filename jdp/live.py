@@ -26,6 +26,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
+from urllib.parse import urlsplit
 
 import jax
 import jax.numpy as jnp
@@ -77,11 +78,22 @@ def _torchft():
     try:
         import torch
         from torch.distributed import ReduceOp, TCPStore
+        from torchft.checkpointing.http_transport import HTTPTransport
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
     except ImportError as e:
         raise ConfigError(f"train.live=true needs torchft and torch ({e}); pip install 'jdp[live]'") from None
-    return SimpleNamespace(torch=torch, ReduceOp=ReduceOp, TCPStore=TCPStore, Manager=Manager, Gloo=ProcessGroupGloo)
+    class Transport(HTTPTransport):  # torchft's names this machine by its hostname: a host's address is given
+        def __init__(self, host: str, timeout: timedelta):
+            super().__init__(timeout, num_chunks=0)
+            self.host = host
+
+        def metadata(self) -> str:
+            url = urlsplit(super().metadata())
+            return url._replace(netloc=f"{self.host}:{url.port}").geturl()
+
+    return SimpleNamespace(torch=torch, ReduceOp=ReduceOp, TCPStore=TCPStore, Manager=Manager, Gloo=ProcessGroupGloo,
+                           Transport=Transport)  # fmt: skip
 
 
 class Member:
@@ -152,7 +164,7 @@ def _manager(tf, member: Member, cfg: Config, host: str, name: str):
         min_replica_size=t.live_min, use_async_quorum=False, timeout=timeout,
         quorum_timeout=timedelta(seconds=max(30.0, 3 * t.live_timeout_s)), store_addr=host, store_port=store.port,
         rank=0, world_size=1, lighthouse_addr=t.lighthouse or None, replica_id=name, hostname=host,
-        heartbeat_interval=timedelta(milliseconds=100),
+        heartbeat_interval=timedelta(milliseconds=100), checkpoint_transport=tf.Transport(host, timeout),
     )  # fmt: skip
 
 

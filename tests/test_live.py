@@ -6,6 +6,7 @@ beside torch 2.13.0); elsewhere they are skipped with that reason, printed by CI
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -155,3 +156,52 @@ def test_the_config_refuses_what_live_cannot_do(tmp_path):
     assert r.returncode == 2
     for needed in ("parallel.strategy=ddp", "train.grad_accum=1", "train.lighthouse="):
         assert needed in r.stderr, r.stderr[-2000:]
+
+
+def test_a_partitioned_host_is_dropped_then_rejoins_with_a_live_copy(tmp_path):
+    """Hosts as network namespaces: the Lighthouse on one, a member on each of three more. Host 3's link goes down
+    with its member alive (no connection reset, only silence): the two others go on without it after at most
+    train.live_timeout_s; healed, the same process rejoins, copies the state from a live peer (it is behind), and
+    all three end with the same parameters, every row of every step trained once."""
+    from hosts import Hosts, unavailable
+
+    if why := unavailable():
+        pytest.skip(f"no network namespaces here: {why}")
+    steps, run, port = 400, tmp_path / "run", 29500
+    with Hosts(4) as hosts:
+        lighthouse = hosts.run(0, [str(LIGHTHOUSE), "--min_replicas", "2", "--join_timeout_ms", "500",
+                                   "--quorum_tick_ms", "50", "--bind", f"0.0.0.0:{port}"], log=tmp_path / "lh.log")  # fmt: skip
+        args = [sys.executable, "-m", "jdp.cli", *TRAIN, "train.live=true", f"train.steps={steps}",
+                f"train.lighthouse=http://{hosts.addresses[0]}:{port}", "train.live_min=2", "train.live_timeout_s=3",
+                f"train.run_dir={run}"]  # fmt: skip
+        members = [hosts.run(i, args, log=tmp_path / f"host{i}.log",
+                             env={**os.environ, "JDP_LIVE_ADDR": hosts.addresses[i], "GLOO_SOCKET_IFNAME": "eth0"})
+                   for i in (1, 2, 3)]  # fmt: skip
+        a, b, c = members
+        wait_for_step(run, c.pid, 8)
+        hosts.partition(3)
+        cut, cut_step = time.time(), lines(run, a.pid)[-1]["step"]
+        deadline = time.time() + 60
+        while not any(m["members"] == sorted([a.pid, b.pid]) for m in lines(run, a.pid) if m["step"] > cut_step):
+            assert time.time() < deadline, "the survivors never went on without the partitioned host"
+            time.sleep(0.1)
+        dropped_after = time.time() - cut
+        hosts.heal(3)
+        codes = [p.wait(timeout=300) for p in members]
+        logs = "\n".join((tmp_path / f"host{i}.log").read_text()[-2500:] for i in (1, 2, 3))
+        lighthouse.kill()
+    assert codes == [0, 0, 0], logs
+    print(f"the survivors went on without the partitioned host {dropped_after:.1f} s after the cut")
+    c_lines = lines(run, c.pid)
+    back = [m["step"] for m in c_lines if m["step"] > cut_step]
+    assert back and back[0] > cut_step + 2, "the partitioned member did not copy the state it missed"
+    joins = [int(n) for n in re.findall(r"joined at step (\d+)", (tmp_path / "host3.log").read_text())]
+    assert any(n > cut_step for n in joins), logs  # the same process, its state copied from a live peer
+    assert c_lines[-1]["step"] == steps and c_lines[-1]["members"] == sorted([a.pid, b.pid, c.pid])
+    rows: dict[int, Counter] = {}
+    for m in lines(run, a.pid) + lines(run, b.pid) + c_lines:
+        rows.setdefault(m["step"], Counter()).update(m["rows"])
+    want = global_batches(steps)
+    assert all(sorted(rows[s].elements()) == want[s - 1] for s in range(1, steps + 1))
+    np.testing.assert_array_equal(params(run, a.pid), params(run, c.pid))
+    np.testing.assert_array_equal(params(run, a.pid), params(run, b.pid))
