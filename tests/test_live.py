@@ -127,6 +127,8 @@ def test_a_killed_member_costs_a_step_and_a_joiner_copies_a_peer(tmp_path):
         ref = job.member(steps, tmp_path / "alone")
         assert ref.wait(timeout=300) == 0
     a_lines, b_lines, c_lines, d_lines = (lines(run, p.pid) for p in (a, b, c, d))
+    lost = max(m["s"] for m in a_lines if m["step"] > 8 and len(m["members"]) == 2)
+    print(f"the killed member cost the survivors {lost:.2f} s (a step: {np.median([m['s'] for m in a_lines]):.3f} s)")
     # The survivors never restarted (the processes the test started ended the run, exit 0): after the kill they
     # trained at least one step without the killed member, and both ended in the final quorum with the joiner.
     after = [m for m in a_lines if m["step"] > 8]
@@ -191,10 +193,13 @@ def test_a_partitioned_host_is_dropped_then_rejoins_with_a_live_copy(tmp_path):
         logs = "\n".join((tmp_path / f"host{i}.log").read_text()[-2500:] for i in (1, 2, 3))
         lighthouse.kill()
     assert codes == [0, 0, 0], logs
-    print(f"the survivors went on without the partitioned host {dropped_after:.1f} s after the cut")
+    lost = max(m["s"] for m in lines(run, a.pid) if m["step"] > cut_step)
+    print(f"the survivors went on without the partitioned host {dropped_after:.1f} s after the cut; the failed step "
+          f"took them {lost:.2f} s")  # fmt: skip
     c_lines = lines(run, c.pid)
-    back = [m["step"] for m in c_lines if m["step"] > cut_step]
-    assert back and back[0] > cut_step + 2, "the partitioned member did not copy the state it missed"
+    trained = [m["step"] for m in c_lines]  # a gap after the cut: the steps it missed, copied, not trained
+    gaps = [(s, t) for s, t in zip(trained, trained[1:], strict=False) if t > cut_step and t - s > 2]
+    assert gaps, f"never dropped: {trained[:40]}"
     joins = [int(n) for n in re.findall(r"joined at step (\d+)", (tmp_path / "host3.log").read_text())]
     assert any(n > cut_step for n in joins), logs  # the same process, its state copied from a live peer
     assert c_lines[-1]["step"] == steps and c_lines[-1]["members"] == sorted([a.pid, b.pid, c.pid])
