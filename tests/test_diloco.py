@@ -23,6 +23,9 @@ from jdp.metrics import read_metrics
 # gradient, so H=1 (outer lr 1, no momentum) is ddp. AdamW's update of a mean is not the mean of AdamW's updates,
 # and clipping each group's gradient is not clipping their mean (docs/diloco.md).
 PLAIN = ["optim.name=sgd", "optim.grad_clip=0", "optim.lr=0.05", "optim.warmup_steps=0"]
+# The tests' model: tiny's shape at a quarter of its width and half its depth, half its windows (what test_faults and
+# test_hosts train): every contract here is about the arithmetic of groups, not the model's size.
+SMALL = ["model.n_layers=2", "model.d_model=64", "model.max_seq_len=64", "data.seq_len=64", "train.batch_size=16"]
 DILOCO_H1 = ["parallel.sync=diloco", "parallel.groups=2", "parallel.outer_every=1", "parallel.outer_lr=1.0",
              "parallel.outer_momentum=0"]  # fmt: skip
 
@@ -36,7 +39,7 @@ def cache(tmp_path_factory):
 
 
 def tiny(tmp_path, *overrides):
-    return load_config("tiny", [f"train.run_dir={tmp_path}", "train.steps=6", "train.log_every=1",
+    return load_config("tiny", [*SMALL, f"train.run_dir={tmp_path}", "train.steps=6", "train.log_every=1",
                                 "train.progress=false", "train.eval_every=0", *overrides])  # fmt: skip
 
 
@@ -143,7 +146,7 @@ def test_a_run_killed_mid_round_resumes_bit_for_bit(tmp_path, cache, sync):
     common = [*sync, "parallel.groups=2", "parallel.outer_every=4", "train.ckpt_every=6", "train.steps=10"]
     straight = train(tiny(tmp_path / "a", *common))
     env, override = inject.register(dict(os.environ), JDP_TEST_KILL_ONCE=f"7:0:{tmp_path / 'killed'}")
-    args = ["train", "tiny", f"train.run_dir={tmp_path / 'b'}", "train.log_every=1", "train.progress=false",
+    args = ["train", "tiny", *SMALL, f"train.run_dir={tmp_path / 'b'}", "train.log_every=1", "train.progress=false",
             "train.eval_every=0", *common, override]  # fmt: skip
     out = subprocess.run([sys.executable, "-m", "jdp.cli", *args], env=env, capture_output=True, text=True,
                          timeout=300)  # fmt: skip
@@ -204,7 +207,7 @@ def test_a_device_whose_round_differs_stops_the_run_at_the_next_sync(tmp_path, c
         ),
         (
             ["parallel.sync=streaming", "parallel.fragments=8", "parallel.outer_every=8"],
-            ["parallel.fragments=8: fragments [4, 5, 6, 7] hold no parameters"],
+            ["parallel.fragments=8: fragments [2, 3, 4, 5, 6, 7] hold no parameters"],
         ),
     ],
 )
@@ -221,7 +224,7 @@ def test_h1_equals_ddp_on_two_processes(tmp_path, cache, strategy):
     """2 real processes of 2 devices each, a group each: H=1 with a plain outer average trains to the parameters of
     ddp on 4 devices of one process (the data order does not depend on the layout), with ddp or hsdp inside."""
     ddp = train(tiny(tmp_path / "ddp", *PLAIN))
-    args = ["-m", "jdp.cli", "train", "tiny", f"train.run_dir={tmp_path / 'two'}", "train.steps=6", "train.log_every=1",
+    args = ["-m", "jdp.cli", "train", "tiny", *SMALL, f"train.run_dir={tmp_path / 'two'}", "train.steps=6", "train.log_every=1",
             "train.progress=false", "train.eval_every=0", *PLAIN, *DILOCO_H1, f"parallel.strategy={strategy}",
             *(["parallel.shard_size=1"] if strategy == "hsdp" else [])]  # fmt: skip
     results = spawn_processes(args, 2, 2, env={"JDP_CACHE": str(cache)})
@@ -380,7 +383,7 @@ def test_sigterm_to_one_process_stops_every_group_at_one_step_after_a_sync(tmp_p
 
     d = tmp_path / "run"
     args = [sys.executable, "-m", "jdp.cli", "launch", "--nproc-per-node", "2", "--devices-per-proc", "2", "--",
-            "train", "tiny", "train.steps=100000", "train.ckpt_every=0", "train.eval_every=0", "train.log_every=1",
+            "train", "tiny", *SMALL, "train.steps=100000", "train.ckpt_every=0", "train.eval_every=0", "train.log_every=1",
             "train.progress=false", f"train.run_dir={d}", "parallel.sync=diloco", "parallel.groups=2",
             "parallel.outer_every=4"]  # fmt: skip
     launcher = subprocess.Popen(args, env={**os.environ, "JDP_CACHE": str(cache)}, stdout=subprocess.PIPE,
@@ -469,7 +472,7 @@ def test_sigterm_to_one_process_holding_every_group_stops_at_once(tmp_path, cach
 
     env, override = inject.register({**os.environ, "JDP_CACHE": str(cache)}, JDP_TEST_TERM="2:save")
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    args = ["train", "tiny", f"train.run_dir={tmp_path}", "train.steps=20", "train.ckpt_every=2", "train.log_every=1",
+    args = ["train", "tiny", *SMALL, f"train.run_dir={tmp_path}", "train.steps=20", "train.ckpt_every=2", "train.log_every=1",
             "train.progress=false", "train.eval_every=0", "parallel.sync=diloco", "parallel.groups=2",
             "parallel.outer_every=8", override]  # fmt: skip
     out = subprocess.run([sys.executable, "-m", "jdp.cli", *args], env=env, capture_output=True, text=True,
