@@ -60,8 +60,9 @@ def problems(cfg: Config) -> list[str]:
         out.append(f"train.live=true runs whole replicas synced every step, uncompressed (not parallel.strategy="
                    f"{p.strategy} parallel.sync={p.sync} parallel.compression={p.compression}): set "
                    "parallel.strategy=ddp parallel.sync=step parallel.compression=none")  # fmt: skip
-    if d.sources or d.streaming or d.format != "text":
-        out.append("train.live=true reads map-style text (data.format=text, no data.sources, data.streaming=false)")
+    if d.sources or d.streaming or d.format != "text" or d.within_documents:
+        out.append("train.live=true reads map-style text with attention across the window (data.format=text, no "
+                   "data.sources, data.streaming=false, data.document_attention=across)")  # fmt: skip
     if t.grad_accum != 1:
         out.append("train.live=true takes one micro-batch per step: set train.grad_accum=1")
     if t.live_min < 1:
@@ -83,7 +84,8 @@ def _torchft():
         from torchft.process_group import ProcessGroupGloo
     except ImportError as e:
         raise ConfigError(f"train.live=true needs torchft and torch ({e}); pip install 'jdp[live]'") from None
-    class Transport(HTTPTransport):  # torchft's names this machine by its hostname: a host's address is given
+
+    class Transport(HTTPTransport):  # torchft's own names this machine by its hostname; peers get the address given
         def __init__(self, host: str, timeout: timedelta):
             super().__init__(timeout, num_chunks=0)
             self.host = host
@@ -179,7 +181,7 @@ def train(cfg: Config) -> dict:
     name = f"{host}_{os.getpid()}"
     out = Path(cfg.train.run_dir or "runs/live")
     out.mkdir(parents=True, exist_ok=True)
-    (store, manager), last, failed = _manager(tf, member, cfg, host, name), {}, []
+    (store, manager), last, failed = _manager(tf, member, cfg, host, name), {}, []  # store: kept while it serves
     alone_since = time.time()
     try:
         with (out / f"live-{name}.jsonl").open("a") as f:
