@@ -1,0 +1,150 @@
+"""Goodput under failures: the restart path (`jdp launch --max-restarts`, resuming from the checkpoint) against live
+membership (`train.live=true`, torchft), the same model, batch and steps, one worker SIGKILLed every --every seconds.
+
+    python scripts/live_goodput.py --every 20 --steps 3000
+
+Both run 4 processes on this machine (loopback). Goodput = the steps' own time (steps x the median step of a run
+without failures) over the wall-clock time; lost per failure = (wall - that) / failures. Needs torchft
+(`pip install 'jdp[live]'`). Prints a table and writes live_goodput.json; every process it starts is ended.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ["model.n_layers=2", "model.d_model=64", "model.max_seq_len=64", "data.seq_len=64", "train.batch_size=16"]
+TRAIN = ["train", "configs/tiny.yaml", *MODEL, "train.progress=false", "train.log_every=1", "train.eval_every=0"]
+N = 4  # processes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children(pid: int) -> list[int]:
+    import psutil
+
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def restart_path(tmp: Path, steps: int, every: float, ckpt_every: int) -> dict:
+    """jdp launch with 4 workers; every `every` s one worker is SIGKILLed: the job stops and restarts from its
+    checkpoint (--max-restarts)."""
+    run = tmp / "restart"
+    args = [sys.executable, "-m", "jdp.cli", "launch", "--nproc-per-node", str(N), "--max-restarts", "1000", "--",
+            *TRAIN, f"train.steps={steps}", f"train.ckpt_every={ckpt_every}", f"train.run_dir={run}"]  # fmt: skip
+    start, failures = time.time(), 0
+    with (tmp / "restart.log").open("w") as log:
+        launcher = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            next_kill = start + every
+            while launcher.poll() is None:
+                if time.time() >= next_kill and (workers := children(launcher.pid)):
+                    os.kill(workers[-1], signal.SIGKILL)
+                    failures += 1
+                    next_kill = time.time() + every
+                time.sleep(0.2)
+        finally:
+            for pid in [*children(launcher.pid), launcher.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            launcher.wait()
+    wall = time.time() - start
+    return {"wall_s": wall, "failures": failures, "rc": launcher.returncode}
+
+
+def live_path(tmp: Path, steps: int, every: float) -> dict:
+    """4 live members (a quorum needs 3); every `every` s one member is SIGKILLed and a new process started in its
+    place (it joins with a peer's state)."""
+    run, port = tmp / "live", free_port()
+    lighthouse = subprocess.Popen([str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "3",
+                                   "--join_timeout_ms", "500", "--quorum_tick_ms", "50", "--bind", f"[::]:{port}"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    args = [sys.executable, "-m", "jdp.cli", *TRAIN, "train.live=true", f"train.steps={steps}", "train.live_min=3",
+            f"train.lighthouse=http://127.0.0.1:{port}", f"train.run_dir={run}"]  # fmt: skip
+    env = {**os.environ, "JDP_LIVE_ADDR": "127.0.0.1"}
+    procs: list[subprocess.Popen] = []
+
+    def member() -> subprocess.Popen:
+        log = (tmp / f"live-{len(procs)}.log").open("w")
+        procs.append(subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+        return procs[-1]
+
+    start, failures = time.time(), 0
+    try:
+        alive = [member() for _ in range(N)]
+        next_kill = start + every
+        while alive[0].poll() is None:
+            if time.time() >= next_kill:
+                victim = alive.pop()  # never the first: it reports the end
+                victim.send_signal(signal.SIGKILL)
+                victim.wait()
+                failures += 1
+                alive.insert(1, member())
+                next_kill = time.time() + every
+            time.sleep(0.2)
+        rc = alive[0].returncode
+    finally:
+        for p in [*procs, lighthouse]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    wall = time.time() - start
+    first = next(run.glob(f"live-*_{procs[0].pid}.jsonl"))
+    step_s = [json.loads(line)["s"] for line in first.read_text().splitlines()]
+    return {"wall_s": wall, "failures": failures, "rc": rc, "slowest_step_s": max(step_s)}
+
+
+def step_time(tmp: Path, steps: int) -> float:
+    """The median step of 4 processes without failures (jdp launch; the steps' own time)."""
+    run = tmp / "clean"
+    subprocess.run([sys.executable, "-m", "jdp.cli", "launch", "--nproc-per-node", str(N), "--", *TRAIN,
+                    f"train.steps={steps}", "train.ckpt_every=0", f"train.run_dir={run}"], cwd=ROOT, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    tokens = 16 * 64  # train.batch_size x data.seq_len
+    return float(np.median([tokens / x["tokens_per_sec"] for x in lines if x.get("tokens_per_sec")][5:]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--every", type=float, default=20.0, help="seconds between failures")
+    ap.add_argument("--ckpt-every", type=int, default=200, help="the restart path's checkpoint cadence, in steps")
+    ap.add_argument("--out", default="live_goodput.json")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        step = step_time(tmp, 200)
+        rows = {"restart": restart_path(tmp, a.steps, a.every, a.ckpt_every), "live": live_path(tmp, a.steps, a.every)}
+    useful = a.steps * step
+    print(f"{a.steps} steps of {step * 1e3:.1f} ms ({useful:.1f} s of steps), a worker SIGKILLed every {a.every:g} s")
+    print(f"{'path':<8} {'wall s':>8} {'failures':>9} {'lost/failure s':>15} {'goodput':>8}")
+    for name, r in rows.items():
+        r["goodput"] = useful / r["wall_s"]
+        r["lost_per_failure_s"] = (r["wall_s"] - useful) / max(r["failures"], 1)
+        print(f"{name:<8} {r['wall_s']:>8.1f} {r['failures']:>9} {r['lost_per_failure_s']:>15.2f} {r['goodput']:>8.1%}")
+    Path(a.out).write_text(json.dumps({"steps": a.steps, "every_s": a.every, "step_s": step, **rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
