@@ -65,6 +65,9 @@ def problems(cfg: Config) -> list[str]:
                    "data.sources, data.streaming=false, data.document_attention=across)")  # fmt: skip
     if t.grad_accum != 1:
         out.append("train.live=true takes one micro-batch per step: set train.grad_accum=1")
+    if t.init_from or t.callbacks:
+        out.append("train.live=true starts from a fresh model and runs no callbacks yet: unset train.init_from and "
+                   "train.callbacks")  # fmt: skip
     if t.live_min < 1:
         out.append(f"train.live_min={t.live_min}: a step needs at least one member")
     if not (t.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")):

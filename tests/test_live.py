@@ -174,11 +174,13 @@ def test_killed_members_cost_a_step_and_a_joiner_copies_a_peer(tmp_path):
 
 def test_the_config_refuses_what_live_cannot_do(tmp_path):
     r = subprocess.run([sys.executable, "-m", "jdp.cli", *TRAIN, "train.live=true", "parallel.strategy=fsdp",
-                        "train.grad_accum=2", "data.document_attention=within", f"train.run_dir={tmp_path}"],
+                        "train.grad_accum=2", "data.document_attention=within", "train.callbacks=inject:Faults",
+                        f"train.run_dir={tmp_path}"],
                        capture_output=True, text=True,
                        timeout=120, env={k: v for k, v in os.environ.items() if k != "TORCHFT_LIGHTHOUSE"})  # fmt: skip
     assert r.returncode == 2
-    for needed in ("parallel.strategy=ddp", "train.grad_accum=1", "data.document_attention=across", "train.lighthouse="):
+    for needed in ("parallel.strategy=ddp", "train.grad_accum=1", "data.document_attention=across", "train.callbacks",
+                   "train.lighthouse="):
         assert needed in r.stderr, r.stderr[-2000:]
 
 
