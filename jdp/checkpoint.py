@@ -72,6 +72,8 @@ RESUMABLE_CHANGES = {
     "train.init_from",
     # Whether a resume may go on over changed data: it is checked against the data, not the saved config.
     "data.accept_changes",
+    # A live run's checkpoint is a whole-copies one (live.py): a whole-job restart may go on live or not.
+    "train.live", "train.lighthouse", "train.live_min", "train.live_timeout_s",
 }  # fmt: skip
 
 

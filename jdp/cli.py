@@ -166,9 +166,10 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _launch(args: argparse.Namespace) -> int:
     from jdp.job.launch import LaunchError, launch, say
+    from jdp.job.members import launch_live
 
     try:
-        return launch(args, args.command)
+        return (launch_live if args.live else launch)(args, args.command)
     except LaunchError as e:
         say(str(e), logging.ERROR, prefix="jdp launch: error: ")
         return 2
@@ -203,7 +204,8 @@ def launch_arguments(p: argparse.ArgumentParser) -> None:
         metavar="HOST[:PORT]",
         help="where node 0's coordination service listens (default: the --coordinator address only; 0.0.0.0: all)",
     )
-    p.add_argument("--max-restarts", type=int, default=0, help="restart the whole group up to K times")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart the whole group up to K times (--live: replace a failed member, K times on this node)")
     p.add_argument("--rdzv-dir", help="elastic jobs: a directory every node sees, where the nodes agree who is in")
     p.add_argument(
         "--rdzv-timeout", type=float, default=30.0, help="elastic jobs: seconds to wait for more nodes once MIN are in"
@@ -217,6 +219,14 @@ def launch_arguments(p: argparse.ArgumentParser) -> None:
         help="CPU-only workers: do not give each worker its own share of this node's cores",
     )
     p.add_argument("--grace-s", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL when stopping")
+    p.add_argument(
+        "--live",
+        action="store_true",
+        help="live membership (docs/live.md): each worker a member of torchft's quorum; a failed one is replaced "
+        "(--max-restarts times on this node) while the others go on; node 0 starts the Lighthouse at --coordinator",
+    )
+    p.add_argument("--min-members", type=int, help="--live: members a step needs (default: a majority of the job's)")
+    p.add_argument("--lighthouse", help="--live: a Lighthouse already running (URL); then no node starts one")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the jdp command to run, e.g. -- train CONFIG")
 
 

@@ -7,6 +7,11 @@ survivors do that step again, in the same processes, without it. A process that 
 step boundary and copies the live state (parameters, optimizer state, step) from a peer over torchft's HTTP
 transport, never from disk; the others go on while it starts.
 
+Checkpoints: after each step on `train.ckpt_every`'s cadence (and the last), the quorum's first member writes one in
+the trainer's own format (jdp.checkpoint, the ddp layout), so a whole-job restart, live or not, resumes from it as
+from any other; a member that starts with checkpoints in its run directory resumes from the newest (its peers' live
+state still wins when they are ahead: torchft heals it from them).
+
 The data: global batch s is rows [s*B, (s+1)*B) of jdp's global order (dataset.GlobalOrder) whatever the
 membership; the members split it in quorum order. So no row is skipped or repeated when the job shrinks or grows,
 and each step's gradient is the uninterrupted run's (up to the order of float32 sums): fewer members mean more rows
@@ -18,6 +23,7 @@ so the survivors cannot reach the agreement (docs/live.md has the commands and t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -34,15 +40,27 @@ import numpy as np
 from flax import nnx
 from jax.flatten_util import ravel_pytree
 
+from jdp import parallel
+from jdp.checkpoint import (
+    Checkpoints,
+    check_data,
+    check_param_shapes,
+    check_resumable,
+    make_record,
+    saved_groups,
+    saved_layout,
+)
 from jdp.config import Config, ConfigError
 from jdp.data.pipeline import Batches, load_data
 from jdp.data.tokens import windows
 from jdp.log import logger
+from jdp.metrics import supersede
 from jdp.models import make_model
 from jdp.models.common import lm_loss
 from jdp.optim import make_optimizer
 from jdp.parallel import strategies, sync
 from jdp.parallel.step import apply_update
+from jdp.rundir import RunDir
 from jdp.trainer import RunError
 
 __all__ = ["problems", "train"]
@@ -108,10 +126,12 @@ class Member:
     def __init__(self, cfg: Config):
         t = cfg.train
         self.cfg, self.steps = cfg, t.steps
-        self.batches: Batches = load_data(cfg.data, cfg.model.vocab_size, t.batch_size, t.seed).train
+        self.data = load_data(cfg.data, cfg.model.vocab_size, t.batch_size, t.seed)
+        self.batches: Batches = self.data.train
         graphdef, params, rest = nnx.split(make_model(cfg.model, nnx.Rngs(t.seed)), nnx.Param, ...)
         optimizer, schedule = make_optimizer(cfg.optim, t.steps)
-        self.params, self.opt, self.step = params, optimizer.init(params), 0
+        self.params, self.opt, self.rest, self.step = params, optimizer.init(params), rest, 0
+        self.layout = parallel.opt_layout(cfg.parallel.strategy, parallel.make_mesh(jax.local_devices()[:1]))
         self.treedef = jax.tree.structure((self.params, self.opt))
         self.size = sum(x.size for x in jax.tree.leaves(params)) + 2  # the gradient, the loss sum, the weight
         self.healed_at: list[int] = []
@@ -154,6 +174,53 @@ class Member:
         self.healed_at.append(self.step)
         log.info(f"joined at step {self.step}: the state copied from a live peer")
 
+    def train_state(self) -> parallel.TrainState:
+        """The state as the trainer's checkpoints hold it (whole copies, as under ddp)."""
+        return parallel.TrainState(jnp.asarray(self.step, jnp.int32), self.params, self.opt, self.rest)
+
+    def save(self) -> None:
+        """Checkpoint this step into RUN_DIR/checkpoints, in the trainer's format, and wait until it is written (the
+        writer changes with the quorum: no save may still be running when another member writes the next)."""
+        cfg = self.cfg
+        shapes = [list(x.shape) for x in jax.tree.leaves(self.params)]
+        record = make_record(cfg, self.step, optimizer_layout=self.layout.to_record(), param_shapes=shapes,
+                             fingerprint=self.data.fingerprint())  # fmt: skip
+        ckpts = Checkpoints(cfg.train.run_dir, cfg.train.ckpt_keep)  # its own view of what is there, each time
+        try:
+            ckpts.save(self.step, self.train_state(), record)
+            ckpts.wait()
+        finally:
+            ckpts.close()
+
+    def resume(self) -> int | None:
+        """Take the newest checkpoint of the run directory that restores (a live run's or any whole-copies one's);
+        its step, or None when there is none."""
+        cfg = self.cfg
+        if not cfg.train.resume or not Path(cfg.train.run_dir, "checkpoints").is_dir():
+            return None
+
+        def check(record):
+            check_resumable(record, cfg)
+            check_param_shapes(record, self.params)
+            saved = parallel.layout_of(saved_layout(record))
+            if not saved.reads_into(self.layout) or saved_groups(record):
+                raise ConfigError(
+                    f"the checkpoint at step {record['step']} holds its state split or in DiLoCo's groups "
+                    f"({saved.describe()}); a live member reads whole copies: resume it once "
+                    f"with `jdp train` under parallel.strategy=ddp parallel.sync=step (one step), then go live"
+                )  # fmt: skip
+            check_data(record, self.data.fingerprint(), cfg)
+
+        ckpts = Checkpoints(cfg.train.run_dir, cfg.train.ckpt_keep, read_only=True)  # a peer may be writing
+        try:
+            if (restored := ckpts.restore_latest(self.train_state(), check)) is None:
+                return None
+        finally:
+            ckpts.close()
+        step, state, _ = restored
+        self.params, self.opt, self.rest, self.step = state.params, state.opt_state, state.rest, int(step)
+        return self.step
+
     def flat_params(self) -> np.ndarray:
         return np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(self.params)])
 
@@ -164,13 +231,17 @@ def _manager(tf, member: Member, cfg: Config, host: str, name: str):
     t = cfg.train
     store = tf.TCPStore(host, 0, is_master=True, wait_for_workers=False)
     timeout = timedelta(seconds=t.live_timeout_s)
-    return store, tf.Manager(
+    manager = tf.Manager(
         pg=tf.Gloo(timeout=timeout), load_state_dict=member.load_state_dict, state_dict=member.state_dict,
         min_replica_size=t.live_min, use_async_quorum=False, timeout=timeout,
         quorum_timeout=timedelta(seconds=max(30.0, 3 * t.live_timeout_s)), store_addr=host, store_port=store.port,
         rank=0, world_size=1, lighthouse_addr=t.lighthouse or None, replica_id=name, hostname=host,
         heartbeat_interval=timedelta(milliseconds=100), checkpoint_transport=tf.Transport(host, timeout),
     )  # fmt: skip
+    # torchft counts its own steps from 0; a member resumed from a checkpoint (or cut off and asking again) is at
+    # its own. The quorum copies the state of the member furthest on to the others.
+    manager.load_state_dict({"step": member.step, "batches_committed": member.step * t.batch_size})
+    return store, manager
 
 
 def train(cfg: Config) -> dict:
@@ -179,12 +250,16 @@ def train(cfg: Config) -> dict:
     seconds since the previous step (a failed attempt's included)."""
     if found := problems(cfg):
         raise ConfigError("\n".join(found))
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir=cfg.train.run_dir or "runs/live"))
     tf, member = _torchft(), Member(cfg)
+    if (resumed := member.resume()) is not None:
+        log.info(f"resumed from step {resumed} ({cfg.train.run_dir}/checkpoints/{resumed})")
     host = os.environ.get("JDP_LIVE_ADDR") or socket.gethostname()
     name = f"{host}_{os.getpid()}"
-    out = Path(cfg.train.run_dir or "runs/live")
+    out = Path(cfg.train.run_dir)
     out.mkdir(parents=True, exist_ok=True)
     (store, manager), last, failed = _manager(tf, member, cfg, host, name), {}, []  # store: kept while it serves
+    run = Run(cfg)
     alone_since = time.time()
     try:
         with (out / f"live-{name}.jsonl").open("a") as f:
@@ -205,11 +280,10 @@ def train(cfg: Config) -> dict:
                     log.warning(f"step {member.step + 1}: a member was lost; done again by the survivors")
                     continue
                 last = {**line, "s": round(time.time() - start, 4)}
-                start = time.time()
                 f.write(json.dumps(last) + "\n")
                 f.flush()
-                if member.step % max(cfg.train.log_every, 1) == 0:
-                    log.info(f"step {member.step} loss {last['loss']:.4f} members {last['members']}")
+                run.committed(member, last)
+                start = time.time()
     finally:
         manager.shutdown(wait=False)
     np.save(out / f"live-{name}-params.npy", member.flat_params())  # what the tests compare
@@ -230,7 +304,40 @@ def _attempt(tf, manager, member: Member) -> dict | None:
     if not manager.should_commit():
         return None
     summed = vec.numpy()
-    metrics = member.apply(summed[: member.size])
-    members = sorted(int(x) for x in summed[member.size :])
-    return {"step": member.step, "loss": float(metrics["loss"]), "members": members, "rank": rank,
+    metrics = {k: float(v) for k, v in member.apply(summed[: member.size]).items()}
+    by_rank = [int(x) for x in summed[member.size :]]  # each member's PID in its rank's slot
+    return {"step": member.step, **metrics, "members": sorted(by_rank), "by_rank": by_rank, "rank": rank,
             "rows": [int(i) for i in idx]}  # fmt: skip
+
+
+class Run:
+    """What a committed step leaves besides the members' own lines: the quorum's first member (one per step) writes
+    its record to metrics.jsonl on train.log_every's cadence and a checkpoint on train.ckpt_every's; every member
+    counts non-finite steps in a row against train.max_bad_steps (they all see the same ones)."""
+
+    def __init__(self, cfg: Config):
+        self.t, self.dir, self.bad_run, self.writing = cfg.train, RunDir(cfg.train.run_dir), 0, False
+
+    def committed(self, member: Member, line: dict) -> None:
+        t, step = self.t, line["step"]
+        self.bad_run = self.bad_run + 1 if line["skipped"] else 0
+        if self.bad_run > t.max_bad_steps:
+            raise RunError(f"{self.bad_run} non-finite steps in a row (more than train.max_bad_steps="
+                           f"{t.max_bad_steps}), the last at step {step}. Lower optim.lr or check the data")  # fmt: skip
+        due = step % max(t.log_every, 1) == 0 or step == t.steps
+        if due:
+            log.info(f"step {step} loss {line['loss']:.4f} members {line['members']}")
+        if line["rank"] != 0:
+            return
+        if not self.writing:  # records past the step before are a job's before this one: work it lost
+            self.writing = True
+            if moved := supersede(self.dir.metrics, step - 1):
+                log.info(f"{moved} metrics records after step {step - 1} (work lost before this job) moved to "
+                         f"{self.dir.superseded_metrics.name}")  # fmt: skip
+        if due:
+            record = {k: line[k] for k in ("step", "loss", "grad_norm", "lr", "skipped") if k in line}
+            with self.dir.metrics.open("a") as f:
+                f.write(json.dumps({**record, "tokens": step * t.batch_size * member.batches.seq_len,
+                                    "members": line["members"]}) + "\n")  # fmt: skip
+        if (t.ckpt_every and step % t.ckpt_every == 0) or step == t.steps:
+            member.save()

@@ -176,6 +176,13 @@ def test_launch_refuses_bad_options(env):
     env_gpus = {**env, "CUDA_VISIBLE_DEVICES": "0,1,2"}
     out = jdp(["launch", "--nproc-per-node", "2", "--", "train"], env_gpus, timeout=60)
     assert out.returncode == 2 and "3 GPUs do not split evenly" in out.stderr
+    # --live (docs/live.md): members are `jdp train`; several nodes need where the Lighthouse is
+    out = jdp(["launch", "--live", "--nproc-per-node", "2", "--", "plot", "runs/x"], env, timeout=60)
+    assert out.returncode == 2 and "--live starts `jdp train` members" in out.stderr, out.stderr[-2000:]
+    out = jdp(["launch", "--live", "--nproc-per-node", "2", "--nnodes", "2", "--", "train"], env, timeout=60)
+    assert out.returncode == 2 and "--coordinator HOST:PORT (where node 0 starts the Lighthouse" in out.stderr
+    out = jdp(["launch", "--live", "--nproc-per-node", "2", "--min-members", "0", "--", "train"], env, timeout=60)
+    assert out.returncode == 2 and "--min-members 0" in out.stderr, out.stderr[-2000:]
 
 
 def test_launch_names_the_option_that_is_wrong_first(env):

@@ -79,26 +79,40 @@ def wait_for_step(run_dir: Path, pid: int, step: int, timeout: float = 120) -> N
     raise AssertionError(f"member {pid} did not reach step {step} in {timeout} s")
 
 
-def global_batches(steps: int) -> list[list[int]]:
-    """The window indices of global batches 0..steps-1, as jdp's data pipeline orders them (seed 0)."""
+def global_batches(steps: int) -> list[np.ndarray]:
+    """The window indices of global batches 0..steps-1, in jdp's global order (seed 0)."""
     from jdp.data.pipeline import load_data
 
     cfg = load_config("configs/tiny.yaml", MODEL)
     order = load_data(cfg.data, cfg.model.vocab_size, cfg.train.batch_size, cfg.train.seed).train.order
-    return [sorted(order.indices(s).tolist()) for s in range(steps)]
+    return [order.indices(s) for s in range(steps)]
 
 
-def rows_trained(run_dir: Path, final: list[int], everyone: list[int], steps: int) -> dict[int, list[int]]:
-    """The rows of each step of the final state's history: the step's quorum as a member that ended the run logged
-    it, and the rows each member of that quorum logged for it (a member's line of a step whose quorum failed after
-    its own all-reduce, then done again by others, is not in the history)."""
+def check_rows(run_dir: Path, final: list[int], everyone: list[int], steps: int, first: int = 1) -> int:
+    """Every row of steps first..steps trained exactly once, over the final state's history: each step's quorum as
+    a member that ended the run logged it (a member's line of a step whose quorum failed after its own all-reduce,
+    then done again by others, is not in the history); each member of that quorum logged its rank's part of the
+    global batch, and the parts make the batch. A member SIGKILLed between its step's commit and its line has no
+    line for that step: its part is its rank's (the PIDs in rank order ride in the all-reduce: a rank held twice or
+    by no one would show). Returns how many parts were so attributed."""
     logged = {pid: {m["step"]: m for m in lines(run_dir, pid)} for pid in everyone}
-    out = {}
-    for s in range(1, steps + 1):
-        quorum = next(logged[pid][s]["members"] for pid in final if s in logged[pid])
-        out[s] = sorted(i for pid in quorum if s in logged.get(pid, {}) and logged[pid][s]["members"] == quorum
-                        for i in logged[pid][s]["rows"])  # fmt: skip
-    return out
+    batches, unlogged = global_batches(steps), 0
+    for s in range(first, steps + 1):
+        quorum = next(logged[pid][s]["by_rank"] for pid in final if s in logged[pid])
+        assert sorted(quorum) == sorted(set(quorum)) and all(pid in everyone for pid in quorum), f"step {s}: {quorum}"
+        parts = np.array_split(batches[s - 1], len(quorum))
+        rows = []
+        for rank, pid in enumerate(quorum):
+            line = logged[pid].get(s)
+            if line is not None and line["by_rank"] == quorum:
+                assert line["rows"] == parts[rank].tolist(), f"step {s}: member {pid} trained rows not its own"
+                rows += line["rows"]
+            else:
+                assert pid not in final, f"step {s}: member {pid} ended the run but has no line of this step"
+                rows += parts[rank].tolist()
+                unlogged += 1
+        assert sorted(rows) == sorted(batches[s - 1].tolist()), f"step {s}: rows {sorted(rows)}"
+    return unlogged
 
 
 def params(run_dir: Path, pid: int) -> np.ndarray:
@@ -163,15 +177,85 @@ def test_killed_members_cost_a_step_and_a_joiner_copies_a_peer(tmp_path):
     # The joiner copied a peer's state (its first step is past 8) and finished with the others.
     assert d_lines and d_lines[0]["step"] > 8 and d_lines[-1]["step"] == steps
     # Every row of every step exactly once, over whoever trained it.
-    rows = rows_trained(run, [a.pid, b.pid, d.pid], [p.pid for p in (a, b, c, x, d)], steps)
-    want = global_batches(steps)
-    for s in range(1, steps + 1):
-        assert rows[s] == want[s - 1], f"step {s}: rows {rows[s]}"
+    check_rows(run, [a.pid, b.pid, d.pid], [p.pid for p in (a, b, c, x, d)], steps)
     # Replicas identical, and the arithmetic of one member alone (to the order of float32 sums).
     pa = params(run, a.pid)
     np.testing.assert_array_equal(pa, params(run, b.pid))
     np.testing.assert_array_equal(pa, params(run, d.pid))
     np.testing.assert_allclose(pa, params(tmp_path / "alone", ref.pid), rtol=0, atol=2e-4)
+
+
+def test_a_whole_job_restart_resumes_from_the_live_checkpoints_bit_for_bit(tmp_path):
+    """Two members write checkpoints on train.ckpt_every's cadence (the quorum's first member, in the trainer's
+    format). Both SIGKILLed, the job started again resumes from the newest and ends with the parameters of a run
+    never stopped, bit for bit; every row of the steps after the checkpoint once. A plain `jdp train` goes on
+    from the live run's last checkpoint (a whole-job restart need not be live)."""
+    steps, keys = 16, ["train.ckpt_every=6"]
+    with Job(tmp_path, min_members=2) as job:
+        ref = [job.member(steps, tmp_path / "ref", *keys) for _ in range(2)]
+        assert [p.wait(timeout=300) for p in ref] == [0, 0]
+    run = tmp_path / "run"
+    with Job(tmp_path, min_members=2) as job:
+        first = [job.member(steps, run, *keys) for _ in range(2)]
+        wait_for_step(run, first[0].pid, 9)
+        for p in first:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+    assert sorted(int(d.name) for d in (run / "checkpoints").iterdir() if d.name.isdigit()) == [6]
+    with Job(tmp_path, min_members=2) as job:  # the whole job again: a new Lighthouse, new processes
+        again = [job.member(steps, run, *keys) for _ in range(2)]
+        codes = [p.wait(timeout=300) for p in again]
+    logs = [log.read_text() for log in sorted(tmp_path.glob(f"member*-{job.port}.log"))]
+    assert codes == [0, 0], logs[0][-3000:]
+    assert all("resumed from step 6" in log for log in logs), logs[0][-3000:]
+    assert all(lines(run, p.pid)[0]["step"] == 7 for p in again)
+    assert check_rows(run, [p.pid for p in again], [p.pid for p in again], steps, 7) == 0
+    np.testing.assert_array_equal(params(run, again[0].pid), params(tmp_path / "ref", ref[0].pid))
+    np.testing.assert_array_equal(params(run, again[1].pid), params(tmp_path / "ref", ref[0].pid))
+    assert sorted(int(d.name) for d in (run / "checkpoints").iterdir() if d.name.isdigit()) == [6, 12, 16]
+    plain = subprocess.run([sys.executable, "-m", "jdp.cli", *TRAIN, "train.steps=18", f"train.run_dir={run}", *keys],
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert "resuming from the checkpoint at step 16" in plain.stdout and "no records" not in plain.stderr, plain.stderr[-3000:]
+    # metrics.jsonl: one record per step, each naming its members; the killed job's records after step 6 moved aside
+    records = [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, 19))
+    assert all(r["members"] == sorted(p.pid for p in again) for r in records if 6 < r["step"] <= 16)
+    moved = [r["step"] for r in read_metrics(run / "metrics.superseded.jsonl")]
+    assert moved and min(moved) == 7
+
+
+def test_jdp_launch_live_replaces_a_killed_member_and_the_others_go_on(tmp_path):
+    """`jdp launch --live` starts the Lighthouse and three members; one SIGKILLed at step 8 is replaced in its slot
+    by a new process that joins with a peer's state, the two others never restart, every row once, the members
+    end equal, and the launcher exits 0 once the run is done."""
+    steps, run = 300, tmp_path / "run"
+    cmd = [sys.executable, "-m", "jdp.cli", "launch", "--live", "--nproc-per-node", "3", "--max-restarts", "1",
+           "--grace-s", "5", "--", *TRAIN, f"train.steps={steps}", f"train.run_dir={run}"]  # fmt: skip
+    out = (tmp_path / "launch.log").open("w")
+    launcher = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 180
+        while len(pids := sorted(int(f.stem.rpartition("_")[2]) for f in run.glob("live-*.jsonl"))) < 3:
+            assert time.time() < deadline and launcher.poll() is None, (tmp_path / "launch.log").read_text()[-3000:]
+            time.sleep(0.1)
+        wait_for_step(run, pids[0], 8)
+        os.kill(pids[2], signal.SIGKILL)
+        assert launcher.wait(timeout=300) == 0, (tmp_path / "launch.log").read_text()[-3000:]
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)  # the launcher and the members it started (their own groups
+            launcher.wait()  # watch it: JDP_LAUNCHER_PID)
+    text = (tmp_path / "launch.log").read_text()
+    assert "started torchft's Lighthouse" in text and "replaced by pid" in text, text[-3000:]
+    final = sorted(int(f.stem.rpartition("_")[2]) for f in run.glob("live-*.jsonl"))
+    (joiner,) = set(final) - set(pids)
+    a, b, j = lines(run, pids[0]), lines(run, pids[1]), lines(run, joiner)
+    assert a[-1]["step"] == b[-1]["step"] == j[-1]["step"] == steps, "a member did not finish"
+    assert j[0]["step"] > 8 and a[-1]["members"] == sorted([pids[0], pids[1], joiner])
+    check_rows(run, [pids[0], pids[1], joiner], final, steps)
+    np.testing.assert_array_equal(params(run, pids[0]), params(run, joiner))
+    np.testing.assert_array_equal(params(run, pids[0]), params(run, pids[1]))
 
 
 def test_the_config_refuses_what_live_cannot_do(tmp_path):
@@ -187,49 +271,55 @@ def test_the_config_refuses_what_live_cannot_do(tmp_path):
 
 
 def test_a_partitioned_host_is_dropped_then_rejoins_with_a_live_copy(tmp_path):
-    """Hosts as network namespaces: the Lighthouse on one, a member on each of three more. Host 3's link goes down
-    with its member alive (no connection reset, only silence): the two others go on without it after at most
-    train.live_timeout_s; healed, the same process rejoins, copies the state from a live peer (it is behind), and
-    all three end with the same parameters, every row of every step trained once."""
+    """Hosts as network namespaces, each running `jdp launch --live` for one member (node 0's launcher starts the
+    Lighthouse at --coordinator). Host 2's link goes down with its member alive (no connection reset, only silence):
+    the two others go on without it after at most train.live_timeout_s; healed, the same process rejoins, copies the
+    state from a live peer (it is behind), and all three end with the same parameters, every row of every step
+    trained once."""
     from hosts import Hosts, unavailable
 
     if why := unavailable():
         pytest.skip(f"no network namespaces here: {why}")
     steps, run, port = 400, tmp_path / "run", 29500
-    with Hosts(4) as hosts:
-        lighthouse = hosts.run(0, [str(LIGHTHOUSE), "--min_replicas", "2", "--join_timeout_ms", "500",
-                                   "--quorum_tick_ms", "50", "--bind", f"0.0.0.0:{port}"], log=tmp_path / "lh.log")  # fmt: skip
-        args = [sys.executable, "-m", "jdp.cli", *TRAIN, "train.live=true", f"train.steps={steps}",
-                f"train.lighthouse=http://{hosts.addresses[0]}:{port}", "train.live_min=2", "train.live_timeout_s=3",
-                f"train.run_dir={run}"]  # fmt: skip
-        members = [hosts.run(i, args, log=tmp_path / f"host{i}.log",
-                             env={**os.environ, "JDP_LIVE_ADDR": hosts.addresses[i], "GLOO_SOCKET_IFNAME": "eth0"})
-                   for i in (1, 2, 3)]  # fmt: skip
-        a, b, c = members
-        wait_for_step(run, c.pid, 8)
-        hosts.partition(3)
-        cut, cut_step = time.time(), lines(run, a.pid)[-1]["step"]
+    with Hosts(3) as hosts:
+        launchers = [
+            hosts.run(i, [sys.executable, "-m", "jdp.cli", "launch", "--live", "--nnodes", "3", "--nproc-per-node", "1",
+                          "--node-rank", str(i), "--coordinator", f"{hosts.addresses[0]}:{port}", "--grace-s", "5",
+                          "--", *TRAIN, f"train.steps={steps}", "train.live_timeout_s=3", f"train.run_dir={run}"],
+                      log=tmp_path / f"host{i}.log", env={**os.environ, "GLOO_SOCKET_IFNAME": "eth0"})
+            for i in range(3)
+        ]  # fmt: skip
+
+        def member(i: int) -> int:  # the member's PID, from its line's name (live-ADDRESS_PID.jsonl)
+            deadline = time.time() + 180
+            while not (found := list(run.glob(f"live-{hosts.addresses[i]}_*.jsonl"))):
+                assert time.time() < deadline, (tmp_path / f"host{i}.log").read_text()[-3000:]
+                time.sleep(0.1)
+            return int(found[0].stem.rpartition("_")[2])
+
+        a, b, c = (member(i) for i in range(3))
+        wait_for_step(run, c, 8)
+        hosts.partition(2)
+        cut, cut_step = time.time(), lines(run, a)[-1]["step"]
         deadline = time.time() + 60
-        while not any(m["members"] == sorted([a.pid, b.pid]) for m in lines(run, a.pid) if m["step"] > cut_step):
+        while not any(m["members"] == sorted([a, b]) for m in lines(run, a) if m["step"] > cut_step):
             assert time.time() < deadline, "the survivors never went on without the partitioned host"
             time.sleep(0.1)
         dropped_after = time.time() - cut
-        hosts.heal(3)
-        codes = [p.wait(timeout=300) for p in members]
-        logs = "\n".join((tmp_path / f"host{i}.log").read_text()[-2500:] for i in (1, 2, 3))
-        lighthouse.kill()
+        hosts.heal(2)
+        codes = [p.wait(timeout=300) for p in launchers]
+        logs = "\n".join((tmp_path / f"host{i}.log").read_text()[-2500:] for i in range(3))
     assert codes == [0, 0, 0], logs
-    lost = max(m["s"] for m in lines(run, a.pid) if m["step"] > cut_step)
+    lost = max(m["s"] for m in lines(run, a) if m["step"] > cut_step)
     print(f"the survivors went on without the partitioned host {dropped_after:.1f} s after the cut; the failed step "
           f"took them {lost:.2f} s")  # fmt: skip
-    c_lines = lines(run, c.pid)
+    c_lines = lines(run, c)
     trained = [m["step"] for m in c_lines]  # a gap after the cut: the steps it missed, copied, not trained
     gaps = [(s, t) for s, t in zip(trained, trained[1:], strict=False) if t > cut_step and t - s > 2]
     assert gaps, f"never dropped: {trained[:40]}"
-    joins = [int(n) for n in re.findall(r"joined at step (\d+)", (tmp_path / "host3.log").read_text())]
+    joins = [int(n) for n in re.findall(r"joined at step (\d+)", (tmp_path / "host2.log").read_text())]
     assert any(n > cut_step for n in joins), logs  # the same process, its state copied from a live peer
-    assert c_lines[-1]["step"] == steps and c_lines[-1]["members"] == sorted([a.pid, b.pid, c.pid])
-    rows, want = rows_trained(run, [a.pid, b.pid, c.pid], [a.pid, b.pid, c.pid], steps), global_batches(steps)
-    assert all(rows[s] == want[s - 1] for s in range(1, steps + 1))
-    np.testing.assert_array_equal(params(run, a.pid), params(run, c.pid))
-    np.testing.assert_array_equal(params(run, a.pid), params(run, b.pid))
+    assert c_lines[-1]["step"] == steps and c_lines[-1]["members"] == sorted([a, b, c])
+    assert check_rows(run, [a, b, c], [a, b, c], steps) == 0
+    np.testing.assert_array_equal(params(run, a), params(run, c))
+    np.testing.assert_array_equal(params(run, a), params(run, b))

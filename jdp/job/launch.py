@@ -24,6 +24,7 @@ __all__ = [
     "worker_argv",
     "LaunchError",
     "Launcher",
+    "Slots",
     "Worker",
     "cpu_flags",
     "cpu_groups",
@@ -31,6 +32,7 @@ __all__ = [
     "gpu_groups",
     "launch",
     "say",
+    "spawn",
 ]
 
 log = logger("jdp.launch")
@@ -164,6 +166,25 @@ def _pump(worker: Worker, stream, out, keep: bool) -> None:
         out.flush()
 
 
+def spawn(argv: list[str], env: dict, rank: int, local: int, pin: set[int] | None = None) -> Worker:
+    """Start one worker in its own process group (we can stop it and everything it started), its output copied to
+    ours line by line with its rank; on `pin`'s cores when given."""
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    if pin:
+        # XLA:CPU sizes its thread pool to the cores it may run on, when JAX first touches a device (seconds after
+        # start): give each worker its own share (torchrun's OMP_NUM_THREADS=1, done per core set) instead of every
+        # worker using every core. Threads inherit the mask.
+        os.sched_setaffinity(proc.pid, pin)
+    w = Worker(rank, local, proc)
+    w.threads = [
+        threading.Thread(target=_pump, args=(w, proc.stdout, sys.stdout.buffer, False), daemon=True),
+        threading.Thread(target=_pump, args=(w, proc.stderr, sys.stderr.buffer, True), daemon=True),
+    ]
+    for t in w.threads:
+        t.start()
+    return w
+
+
 def say(msg: str, level: int = logging.INFO, prefix: str = "jdp launch: ") -> None:
     """The launcher's own lines: on stderr (its stdout carries the workers' output), from every node's launcher."""
     log.log(level, msg, extra={"prefix": prefix, "stderr": True, "all_ranks": True})
@@ -178,6 +199,37 @@ def _describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+class Slots:
+    """This node's worker slots: each one's GPUs (or simulated CPU devices and its share of the cores) and the
+    environment every worker of `jdp launch` gets, whatever job it joins."""
+
+    def __init__(self, args):
+        self.args, self.gpus = args, gpu_groups(args.nproc_per_node)
+        self.cores = cpu_groups(args.nproc_per_node) if self.gpus is None and args.pin_cpus else None
+
+    def env(self, local: int) -> tuple[dict, set[int] | None]:
+        """Slot `local`'s environment and the cores to pin it to (None: not pinned)."""
+        a = self.args
+        env = {k: v for k, v in os.environ.items() if k not in _FOREIGN}
+        env.update(
+            LOCAL_RANK=str(local),
+            PYTHONUNBUFFERED="1",
+            # The worker stops (at an agreed step, then for good after --grace-s) if this launcher dies.
+            JDP_LAUNCHER_PID=str(os.getpid()),
+            JDP_LAUNCHER_GRACE_S=str(a.grace_s),
+        )
+        if self.gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus[local]
+            return env, None
+        env["XLA_FLAGS"] = cpu_flags(a.devices_per_proc)
+        env.setdefault("JAX_PLATFORMS", "cpu")
+        return env, self.cores[local] if self.cores else None
+
+    def describe(self) -> str:
+        where = f"GPUs {self.gpus}" if self.gpus else f"{self.args.devices_per_proc} CPU device(s) each"
+        return where + (f", cores {[sorted(c) for c in self.cores]}" if self.cores else "")
+
+
 class Launcher:
     def __init__(self, args, command: list[str]):
         self.args, self.command = args, command
@@ -187,56 +239,16 @@ class Launcher:
 
     def start(self, coordinator: str, node_rank: int, nnodes: int) -> None:
         a = self.args
-        world = nnodes * a.nproc_per_node
-        gpus = gpu_groups(a.nproc_per_node)
-        cores = cpu_groups(a.nproc_per_node) if gpus is None and a.pin_cpus else None
+        world, slots = nnodes * a.nproc_per_node, Slots(a)
         self.workers = []
         for local in range(a.nproc_per_node):
             rank = node_rank * a.nproc_per_node + local
-            env = {k: v for k, v in os.environ.items() if k not in _FOREIGN}
-            env.update(
-                JAX_COORDINATOR_ADDRESS=coordinator,
-                JAX_NUM_PROCESSES=str(world),
-                JAX_PROCESS_ID=str(rank),
-                LOCAL_RANK=str(local),
-                PYTHONUNBUFFERED="1",
-                # The worker stops (at an agreed step, then for good after --grace-s) if this launcher dies.
-                JDP_LAUNCHER_PID=str(os.getpid()),
-                JDP_LAUNCHER_GRACE_S=str(a.grace_s),
-            )
+            env, pin = slots.env(local)
+            env.update(JAX_COORDINATOR_ADDRESS=coordinator, JAX_NUM_PROCESSES=str(world), JAX_PROCESS_ID=str(rank))
             if a.coordinator_bind:  # where node 0's coordination service listens (jdp.job.join.bind_address)
                 env["JAX_COORDINATOR_BIND_ADDRESS"] = a.coordinator_bind
-            pin = None
-            if gpus is not None:
-                env["CUDA_VISIBLE_DEVICES"] = gpus[local]
-            else:
-                env["XLA_FLAGS"] = cpu_flags(a.devices_per_proc)
-                env.setdefault("JAX_PLATFORMS", "cpu")
-                pin = cores[local] if cores else None
-            proc = subprocess.Popen(
-                worker_argv(self.command),
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,  # its own process group: we can stop it and everything it started
-            )
-            if pin:
-                # XLA:CPU sizes its thread pool to the cores it may run on, when JAX first touches a device
-                # (seconds after start): give each worker its own share (torchrun's OMP_NUM_THREADS=1, done
-                # per core set) instead of every worker using every core. Threads inherit the mask.
-                os.sched_setaffinity(proc.pid, pin)
-            w = Worker(rank, local, proc)
-            w.threads = [
-                threading.Thread(target=_pump, args=(w, proc.stdout, sys.stdout.buffer, False), daemon=True),
-                threading.Thread(target=_pump, args=(w, proc.stderr, sys.stderr.buffer, True), daemon=True),
-            ]
-            for t in w.threads:
-                t.start()
-            self.workers.append(w)
-        where = f"GPUs {gpus}" if gpus else f"{a.devices_per_proc} CPU device(s) each"
-        if cores:
-            where += f", cores {[sorted(c) for c in cores]}"
-        say(f"started ranks {[w.rank for w in self.workers]} of {world} ({where}), coordinator {coordinator}")
+            self.workers.append(spawn(worker_argv(self.command), env, rank, local, pin))
+        say(f"started ranks {[w.rank for w in self.workers]} of {world} ({slots.describe()}), coordinator {coordinator}")
 
     def rendezvous(self) -> Rendezvous | None:
         """The elastic rendezvous (--nnodes MIN:MAX), or None for a fixed world."""
