@@ -51,10 +51,12 @@ from jdp.checkpoint import (
     saved_layout,
 )
 from jdp.config import Config, ConfigError
+from jdp.data.corpus import cache_root
 from jdp.data.pipeline import Batches, load_data
 from jdp.data.tokens import windows
+from jdp.job.xla import use_compilation_cache
 from jdp.log import logger
-from jdp.metrics import supersede
+from jdp.metrics import params_sha256, supersede
 from jdp.models import make_model
 from jdp.models.common import lm_loss
 from jdp.optim import make_optimizer
@@ -251,6 +253,8 @@ def train(cfg: Config) -> dict:
     if found := problems(cfg):
         raise ConfigError("\n".join(found))
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir=cfg.train.run_dir or "runs/live"))
+    if cfg.train.compile_cache:  # a replacement loads the programs its peers compiled, as a restart does
+        use_compilation_cache(cache_root(cfg.data) / "xla")
     tf, member = _torchft(), Member(cfg)
     if (resumed := member.resume()) is not None:
         log.info(f"resumed from step {resumed} ({cfg.train.run_dir}/checkpoints/{resumed})")
@@ -258,36 +262,40 @@ def train(cfg: Config) -> dict:
     name = f"{host}_{os.getpid()}"
     out = Path(cfg.train.run_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (store, manager), last, failed = _manager(tf, member, cfg, host, name), {}, []  # store: kept while it serves
-    run = Run(cfg)
-    alone_since = time.time()
+    (store, manager), last = _manager(tf, member, cfg, host, name), {}  # store: kept while it serves
+    run = Run(cfg, resumed)
+    committed_at, failures = time.time(), 0  # the last step committed; attempts failed in a row since
     try:
         with (out / f"live-{name}.jsonl").open("a") as f:
-            start = time.time()  # of this step's first attempt
             while member.step < member.steps:
+                if time.time() - committed_at > cfg.train.step_timeout_s:
+                    raise RunError(f"no step committed for train.step_timeout_s={cfg.train.step_timeout_s} s "
+                                   f"({failures} attempts failed): no quorum of train.live_min={cfg.train.live_min}")  # fmt: skip
                 try:
                     manager.start_quorum()  # waits for the quorum; a joiner loads a peer's state here
-                except TimeoutError as e:  # cut off (a partition): ask again as a new incarnation, for a while
-                    if time.time() - alone_since > cfg.train.step_timeout_s:
-                        raise RunError(f"no quorum for train.step_timeout_s={cfg.train.step_timeout_s} s: {e}") from e
+                    line = _attempt(tf, manager, member)
+                except TimeoutError as e:  # cut off (a partition): ask again as a new incarnation
                     log.warning(f"no quorum in time ({e}); asking again")
                     manager.shutdown(wait=False)
                     store, manager = _manager(tf, member, cfg, host, name)
                     continue
-                alone_since = time.time()
-                if (line := _attempt(tf, manager, member)) is None:
-                    failed.append(member.step + 1)
-                    log.warning(f"step {member.step + 1}: a member was lost; done again by the survivors")
+                if line is not None:
+                    line = {**line, "s": round(time.time() - committed_at, 4)}  # failed attempts included
+                    f.write(json.dumps(line) + "\n")
+                    f.flush()
+                    run.committed(member, line)
+                    last, committed_at, failures = line, time.time(), 0
                     continue
-                last = {**line, "s": round(time.time() - start, 4)}
-                f.write(json.dumps(last) + "\n")
-                f.flush()
-                run.committed(member, last)
-                start = time.time()
+                failures += 1
+                run.failed.append(member.step + 1)
+                log.warning(f"step {member.step + 1}: a member was lost; done again by the survivors")
+                if failures % 3 == 0:  # this member's view of the quorum may be stale (a dead member's store):
+                    manager.shutdown(wait=False)  # a new incarnation asks afresh and copies a peer's state
+                    store, manager = _manager(tf, member, cfg, host, name)
     finally:
         manager.shutdown(wait=False)
     np.save(out / f"live-{name}-params.npy", member.flat_params())  # what the tests compare
-    return {**last, "failed": failed, "healed_at": member.healed_at, "pid": os.getpid()}
+    return {**last, "failed": run.failed, "healed_at": member.healed_at, "pid": os.getpid()}
 
 
 def _attempt(tf, manager, member: Member) -> dict | None:
@@ -312,15 +320,18 @@ def _attempt(tf, manager, member: Member) -> dict | None:
 
 class Run:
     """What a committed step leaves besides the members' own lines: the quorum's first member (one per step) writes
-    its record to metrics.jsonl on train.log_every's cadence and a checkpoint on train.ckpt_every's; every member
-    counts non-finite steps in a row against train.max_bad_steps (they all see the same ones)."""
+    its record to metrics.jsonl on train.log_every's cadence, a checkpoint on train.ckpt_every's and, at the last
+    step, summary.json; every member counts non-finite steps in a row against train.max_bad_steps (they all see the
+    same ones)."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, resumed_from: int | None):
         self.t, self.dir, self.bad_run, self.writing = cfg.train, RunDir(cfg.train.run_dir), 0, False
+        self.resumed_from, self.started, self.skipped, self.failed = resumed_from, time.time(), 0, []
 
     def committed(self, member: Member, line: dict) -> None:
         t, step = self.t, line["step"]
         self.bad_run = self.bad_run + 1 if line["skipped"] else 0
+        self.skipped += int(line["skipped"])
         if self.bad_run > t.max_bad_steps:
             raise RunError(f"{self.bad_run} non-finite steps in a row (more than train.max_bad_steps="
                            f"{t.max_bad_steps}), the last at step {step}. Lower optim.lr or check the data")  # fmt: skip
@@ -341,3 +352,17 @@ class Run:
                                     "members": line["members"]}) + "\n")  # fmt: skip
         if (t.ckpt_every and step % t.ckpt_every == 0) or step == t.steps:
             member.save()
+        if step == t.steps:
+            self.dir.summary.write_text(json.dumps(self.summary(member, line), indent=1))
+
+    def summary(self, member: Member, line: dict) -> dict:
+        """summary.json of a live run: the trainer's keys that mean the same here, and the live ones."""
+        return {
+            "steps": line["step"], "preempted": False, "resumed_from": self.resumed_from, "loss": line["loss"],
+            "skipped_total": self.skipped, "wall_s": time.time() - self.started, "live": True,
+            "members": line["members"],  # the last step's quorum (PIDs)
+            "failed_steps": self.failed,  # the steps the writer saw fail and did again with the survivors
+            "healed_at": member.healed_at,  # the steps at which the writer copied a peer's state
+            "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind,
+            "params_sha256": params_sha256(member.params),
+        }  # fmt: skip
