@@ -32,6 +32,7 @@ __all__ = [
     "gpu_groups",
     "launch",
     "say",
+    "signal_workers",
     "spawn",
 ]
 
@@ -185,6 +186,16 @@ def spawn(argv: list[str], env: dict, rank: int, local: int, pin: set[int] | Non
     return w
 
 
+def signal_workers(workers: list[Worker], sig: int) -> None:
+    """`sig` to each running worker's process group (the worker and everything it started)."""
+    for w in workers:
+        if w.proc.poll() is None:
+            try:
+                os.killpg(w.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
 def say(msg: str, level: int = logging.INFO, prefix: str = "jdp launch: ") -> None:
     """The launcher's own lines: on stderr (its stdout carries the workers' output), from every node's launcher."""
     log.log(level, msg, extra={"prefix": prefix, "stderr": True, "all_ranks": True})
@@ -260,12 +271,7 @@ class Launcher:
         return Rendezvous(a.rdzv_dir, a.min_nodes, a.nnodes, a.nproc_per_node, address, a.node_rank, a.rdzv_timeout)
 
     def signal_all(self, sig: int) -> None:
-        for w in self.workers:
-            if w.proc.poll() is None:
-                try:
-                    os.killpg(w.proc.pid, sig)
-                except ProcessLookupError:
-                    pass
+        signal_workers(self.workers, sig)
 
     def stop_all(self) -> None:
         """SIGTERM every worker still running, then SIGKILL what is left after the grace period."""

@@ -15,7 +15,17 @@ import time
 from pathlib import Path
 
 from jdp.job.join import source_address
-from jdp.job.launch import LaunchError, Slots, Worker, free_port, nodes_range, say, spawn, worker_argv
+from jdp.job.launch import (
+    LaunchError,
+    Slots,
+    Worker,
+    free_port,
+    nodes_range,
+    say,
+    signal_workers,
+    spawn,
+    worker_argv,
+)
 
 __all__ = ["Members", "launch_live"]
 
@@ -82,12 +92,7 @@ class Members:
         self.signal_all(sig if self.signalled == 1 else signal.SIGKILL)
 
     def signal_all(self, sig: int) -> None:
-        for w in self.workers:
-            if w.proc.poll() is None:
-                try:
-                    os.killpg(w.proc.pid, sig)
-                except ProcessLookupError:
-                    pass
+        signal_workers(self.workers, sig)
 
     def run(self) -> int:
         a = self.args
