@@ -37,20 +37,17 @@ def children(pid: int) -> list[int]:
         return []
 
 
-def restart_path(tmp: Path, steps: int, every: float, ckpt_every: int) -> dict:
-    """jdp launch with 4 workers; every `every` s one worker is SIGKILLed: the job stops and restarts from its
-    checkpoint (--max-restarts)."""
-    run = tmp / "restart"
-    args = [sys.executable, "-m", "jdp.cli", "launch", "--nproc-per-node", str(N), "--max-restarts", "1000", "--",
-            *TRAIN, f"train.steps={steps}", f"train.ckpt_every={ckpt_every}", f"train.run_dir={run}"]  # fmt: skip
+def run_killing(args: list[str], log_path: Path, every: float, victims) -> tuple[float, int, int]:
+    """Run the launcher `args` to its end, SIGKILLing the last of `victims(launcher pid)` every `every` s; (wall
+    seconds, failures, exit code). Every process it started is ended."""
     start, failures = time.time(), 0
-    with (tmp / "restart.log").open("w") as log:
+    with log_path.open("w") as log:
         launcher = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         try:
             next_kill = start + every
             while launcher.poll() is None:
-                if time.time() >= next_kill and (workers := children(launcher.pid)):
-                    os.kill(workers[-1], signal.SIGKILL)
+                if time.time() >= next_kill and (pids := victims(launcher.pid)):
+                    os.kill(pids[-1], signal.SIGKILL)
                     failures += 1
                     next_kill = time.time() + every
                 time.sleep(0.2)
@@ -61,8 +58,17 @@ def restart_path(tmp: Path, steps: int, every: float, ckpt_every: int) -> dict:
                 except ProcessLookupError:
                     pass
             launcher.wait()
-    wall = time.time() - start
-    return {"wall_s": wall, "failures": failures, "rc": launcher.returncode}
+    return time.time() - start, failures, launcher.returncode
+
+
+def restart_path(tmp: Path, steps: int, every: float, ckpt_every: int) -> dict:
+    """jdp launch with 4 workers; every `every` s one worker is SIGKILLed: the job stops and restarts from its
+    checkpoint (--max-restarts)."""
+    run = tmp / "restart"
+    args = [sys.executable, "-m", "jdp.cli", "launch", "--nproc-per-node", str(N), "--max-restarts", "1000", "--",
+            *TRAIN, f"train.steps={steps}", f"train.ckpt_every={ckpt_every}", f"train.run_dir={run}"]  # fmt: skip
+    wall, failures, rc = run_killing(args, tmp / "restart.log", every, children)
+    return {"wall_s": wall, "failures": failures, "rc": rc}
 
 
 def live_path(tmp: Path, steps: int, every: float, timeout: float) -> dict:
@@ -72,28 +78,10 @@ def live_path(tmp: Path, steps: int, every: float, timeout: float) -> dict:
     args = [sys.executable, "-m", "jdp.cli", "launch", "--live", "--nproc-per-node", str(N), "--min-members", "3",
             "--max-restarts", "1000", "--", *TRAIN, f"train.steps={steps}", f"train.run_dir={run}",
             f"train.live_timeout_s={timeout}"]  # fmt: skip
-    start, failures = time.time(), 0
-    with (tmp / "live.log").open("w") as log:
-        launcher = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            next_kill = start + every
-            while launcher.poll() is None:
-                if time.time() >= next_kill and (members := _members(launcher.pid)):
-                    os.kill(members[-1], signal.SIGKILL)
-                    failures += 1
-                    next_kill = time.time() + every
-                time.sleep(0.2)
-        finally:
-            for pid in [*children(launcher.pid), launcher.pid]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            launcher.wait()
-    wall = time.time() - start
+    wall, failures, rc = run_killing(args, tmp / "live.log", every, _members)
     first = min(run.glob("live-*.jsonl"), key=lambda f: int(f.stem.rpartition("_")[2]))  # a member never killed
     step_s = [json.loads(line)["s"] for line in first.read_text().splitlines()]
-    return {"wall_s": wall, "failures": failures, "rc": launcher.returncode, "slowest_step_s": max(step_s),
+    return {"wall_s": wall, "failures": failures, "rc": rc, "slowest_step_s": max(step_s),
             "median_step_s": float(np.median(step_s)), "steps_s": sum(step_s)}  # fmt: skip
 
 
