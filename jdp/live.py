@@ -130,6 +130,7 @@ class Member:
         self.cfg, self.steps = cfg, t.steps
         self.data = load_data(cfg.data, cfg.model.vocab_size, t.batch_size, t.seed)
         self.batches: Batches = self.data.train
+        self.fingerprint = self.data.fingerprint()  # what the data is: each checkpoint keeps it, a resume compares
         graphdef, params, rest = nnx.split(make_model(cfg.model, nnx.Rngs(t.seed)), nnx.Param, ...)
         optimizer, schedule = make_optimizer(cfg.optim, t.steps)
         self.params, self.opt, self.rest, self.step = params, optimizer.init(params), rest, 0
@@ -186,7 +187,7 @@ class Member:
         cfg = self.cfg
         shapes = [list(x.shape) for x in jax.tree.leaves(self.params)]
         record = make_record(cfg, self.step, optimizer_layout=self.layout.to_record(), param_shapes=shapes,
-                             fingerprint=self.data.fingerprint())  # fmt: skip
+                             fingerprint=self.fingerprint)  # fmt: skip
         ckpts = Checkpoints(cfg.train.run_dir, cfg.train.ckpt_keep)  # its own view of what is there, each time
         try:
             ckpts.save(self.step, self.train_state(), record)
@@ -198,7 +199,7 @@ class Member:
         """Take the newest checkpoint of the run directory that restores (a live run's or any whole-copies one's);
         its step, or None when there is none."""
         cfg = self.cfg
-        if not cfg.train.resume or not Path(cfg.train.run_dir, "checkpoints").is_dir():
+        if not cfg.train.resume or not RunDir(cfg.train.run_dir).checkpoints.is_dir():
             return None
 
         def check(record):
@@ -211,7 +212,7 @@ class Member:
                     f"({saved.describe()}); a live member reads whole copies: resume it once "
                     f"with `jdp train` under parallel.strategy=ddp parallel.sync=step (one step), then go live"
                 )  # fmt: skip
-            check_data(record, self.data.fingerprint(), cfg)
+            check_data(record, self.fingerprint, cfg)
 
         ckpts = Checkpoints(cfg.train.run_dir, cfg.train.ckpt_keep, read_only=True)  # a peer may be writing
         try:

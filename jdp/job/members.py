@@ -32,6 +32,12 @@ __all__ = ["Members", "launch_live"]
 CONFIG_ERROR = 2  # `jdp train`'s exit code for a refused config: every replacement would be refused too
 
 
+def host_port(url: str) -> tuple[str, str]:
+    """http://HOST:PORT[/] -> (HOST, PORT)."""
+    host, _, port = url.split("://", 1)[-1].rstrip("/").rpartition(":")
+    return host, port
+
+
 def lighthouse_binary() -> str:
     """torchft's Lighthouse, installed beside this Python by `pip install 'jdp[live]'`."""
     found = Path(sys.executable).parent / "torchft_lighthouse"
@@ -61,12 +67,12 @@ class Members:
         if not url:  # one node, its own Lighthouse on loopback
             a.coordinator = f"127.0.0.1:{free_port()}"
             url = f"http://{a.coordinator}"
-        host, _, port = url.split("://", 1)[-1].rstrip("/").rpartition(":")
+        host, port = host_port(url)
         mine = a.local_addr or source_address(host.strip("[]"), int(port)) or "127.0.0.1"
         return url, mine
 
     def start_lighthouse(self, url: str) -> None:
-        host, _, port = url.split("://", 1)[-1].rstrip("/").rpartition(":")
+        host, port = host_port(url)
         bind = "[::]" if ":" in host else "0.0.0.0"  # every address of the family --coordinator's host is in
         self.lighthouse = subprocess.Popen(
             [lighthouse_binary(), "--min_replicas", str(self.min), "--join_timeout_ms", "1000", "--quorum_tick_ms",
