@@ -64,6 +64,14 @@ def reference(env, tmp_path_factory):
     return d
 
 
+@pytest.fixture(scope="module")
+def diloco_reference(env, tmp_path_factory):
+    """The DiLoCo job (H=4) as 1 host x 4 processes in 2 groups, uninterrupted: what a group per host must equal."""
+    d = tmp_path_factory.mktemp("diloco-reference") / "run"
+    run(d, env, (4, 1), [*STEPS, f"parallel.heartbeat_timeout_s={HEARTBEAT_S}", *DILOCO, "parallel.groups=2"])
+    return d
+
+
 def test_two_hosts_of_two_processes_train_as_one_host_of_four_through_a_restart(env, tmp_path, reference):
     """2 hosts x 2 processes over the bridge, `--max-restarts 1` on both launchers, process 3 (host 1) killed after
     step 7: every host's launcher restarts its workers, the job resumes from the checkpoint at step 5 and ends bit
@@ -142,16 +150,13 @@ def test_a_killed_host_stops_every_other_host_within_the_bound(env, tmp_path, lo
 
 
 @pytest.mark.parametrize("sync", ["step", "diloco"])
-def test_a_partitioned_host_stops_on_both_sides_within_the_bound_and_the_rerun_resumes(env, tmp_path, reference, sync):
+def test_a_partitioned_host_stops_on_both_sides_within_the_bound_and_the_rerun_resumes(env, tmp_path, request, sync):
     """Host 1's link goes down with its processes alive: no connection is reset, only heartbeats stop. Both sides
     exit non-zero within the bound (the partitioned one too: it cannot reach the coordinator), nothing is left.
     Healed, the same commands resume from the last checkpoint and end bit for bit as the uninterrupted run. Under
     DiLoCo (a group per host, H=4) too, where nothing crosses between the hosts for 3 steps of 4."""
-    d, steps = tmp_path / "run", STEPS
-    if sync == "diloco":
-        steps = [*STEPS, *DILOCO]
-        reference = tmp_path / "reference"
-        run(reference, env, (4, 1), [*steps, f"parallel.heartbeat_timeout_s={HEARTBEAT_S}", "parallel.groups=2"])
+    d, steps = tmp_path / "run", STEPS if sync == "step" else [*STEPS, *DILOCO]
+    reference = request.getfixturevalue("reference" if sync == "step" else "diloco_reference")
     with Hosts(2) as hosts:
         procs = [launch(hosts, i, d, steps, env=env) for i in range(2)]
         started(d, after_checkpoint=True)
@@ -232,17 +237,14 @@ def test_a_slow_lossy_link_trains_the_same_losses(env, tmp_path, reference):
 
 
 @pytest.mark.skipif(bool(shape_unavailable()), reason=f"no link can be shaped here: {shape_unavailable()}")
-def test_diloco_across_a_slow_lossy_link_restarts_and_trains_as_one_host(env, tmp_path):
+def test_diloco_across_a_slow_lossy_link_restarts_and_trains_as_one_host(env, tmp_path, diloco_reference):
     """parallel.sync=diloco (a group per host, H=4) over host 1's 20 +- 5 ms, 1% loss link, process 3 killed after
     step 7 (mid-round; the checkpoint at 5 is mid-round too) and every host's workers restarted: the job resumes and
     ends bit for bit as the same DiLoCo job uninterrupted on 1 host x 4 processes as 2 groups (every loss, the round's
     parameters), and its steps are timed against that run (printed)."""
     import inject
 
-    reference = tmp_path / "reference"
-    run(reference, env, (4, 1), [*STEPS, f"parallel.heartbeat_timeout_s={HEARTBEAT_S}", *DILOCO,
-                                 "parallel.groups=2"])  # fmt: skip
-    d = tmp_path / "run"
+    reference, d = diloco_reference, tmp_path / "run"
     faults, override = inject.register(env, JDP_TEST_KILL_ONCE=f"7:3:{tmp_path / 'killed'}")
     with Hosts(2, shaped=(1,)) as hosts:
         hosts.shape(1, delay_ms=20, jitter_ms=5, loss_pct=1)
