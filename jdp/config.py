@@ -97,7 +97,7 @@ SOURCE_KEYS = ("source", "weight", "label", "name", "split", "text_column", "tex
 
 @dataclass(frozen=True)
 class OptimConfig:
-    name: str = "adamw"  # adamw or sgd
+    name: str = "adamw"  # adamw, sgd or muon (Muon for the hidden matrices, AdamW for the rest: docs/training.md#muon)
     lr: float = 1e-3  # peak learning rate
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
@@ -107,6 +107,16 @@ class OptimConfig:
     eps: float = 1e-8
     momentum: float = 0.9  # sgd only; 0 for plain SGD
     grad_clip: float = 1.0  # clip by global norm; 0 switches clipping off
+    # muon only: the hidden matrices' peak rate (0: optim.lr), momentum, Nesterov, Newton-Schulz steps and their
+    # coefficients (3 numbers, or 3 per step), the shape's scale ("rms": AdamW's update RMS, so optim.lr carries
+    # over; "width": sqrt(max(1, out/in)), Keller Jordan's), and the name fragments of matrices left to AdamW
+    muon_lr: float = 0.0
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5
+    muon_ns_coeffs: str = "3.4445,-4.775,2.0315"
+    muon_scale: str = "rms"
+    muon_adamw: str = "embed,norm,head"
 
 
 @dataclass(frozen=True)
@@ -427,6 +437,14 @@ class Derived:
         )
 
 
+def _coeffs_ok(text: str) -> bool:
+    try:
+        values = [float(v) for v in str(text).replace(";", ",").split(",") if v.strip()]
+    except ValueError:
+        return False
+    return bool(values) and len(values) % 3 == 0 and all(math.isfinite(v) for v in values)
+
+
 _POSITIVE = (lambda v: v > 0, "positive")
 _NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
 _FRACTION = (lambda v: 0 <= v < 1, "in [0, 1)")
@@ -448,7 +466,11 @@ RANGES = {
          "model.head_dim", "parallel.groups", "parallel.outer_delay"],
         _NON_NEGATIVE,
     ),
-    **dict.fromkeys(["optim.b1", "optim.b2", "optim.momentum", "parallel.outer_momentum", "parallel.outer_mix"], _FRACTION),
+    **dict.fromkeys(["optim.b1", "optim.b2", "optim.momentum", "parallel.outer_momentum", "parallel.outer_mix",
+                     "optim.muon_momentum"], _FRACTION),
+    "optim.muon_lr": _NON_NEGATIVE,
+    "optim.muon_ns_steps": _POSITIVE,
+    "optim.muon_ns_coeffs": (_coeffs_ok, "3 numbers (a,b,c of every Newton-Schulz step) or 3 per step"),
     "optim.min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "parallel.powersgd_min_ratio": (lambda v: v >= 1, ">= 1 (compression must not grow a gradient)"),
 }  # fmt: skip
@@ -463,7 +485,8 @@ CHOICES = {
     "data.document_attention": ("auto", "across", "within"),
     "data.format": formats.names,  # jdp's formats, those registered later too
     "data.overlong": ("truncate", "drop"),
-    "optim.name": ("adamw", "sgd"),
+    "optim.name": ("adamw", "sgd", "muon"),
+    "optim.muon_scale": ("rms", "width"),
     "parallel.strategy": strategies.names,  # looked up at each check: a strategy registered later counts
     "parallel.reduce_dtype": ("float32", "bfloat16"),
     "parallel.compression": ("none", "powersgd"),
@@ -539,10 +562,29 @@ def mixture_problems(d: DataConfig) -> list[str]:
     return problems
 
 
+def optim_problems(o: OptimConfig) -> list[str]:
+    """Muon's keys set for another optimizer (they would be dropped without a word), and Newton-Schulz coefficients
+    that are neither one triple nor one per step."""
+    default = OptimConfig()
+    if o.name != "muon":
+        return [
+            f"optim.{f.name}={getattr(o, f.name)} is read by optim.name=muon only, not {o.name}: leave it out, or "
+            f"set optim.name=muon"
+            for f in dataclasses.fields(o) if f.name.startswith("muon_") and getattr(o, f.name) != getattr(default, f.name)
+        ]  # fmt: skip
+    triples = len([v for v in str(o.muon_ns_coeffs).replace(";", ",").split(",") if v.strip()]) // 3
+    if _coeffs_ok(o.muon_ns_coeffs) and triples not in (1, o.muon_ns_steps):
+        return [
+            f"optim.muon_ns_coeffs holds {triples} triples of coefficients for optim.muon_ns_steps={o.muon_ns_steps} "
+            f"steps: give one triple for every step, or one per step"
+        ]
+    return []
+
+
 def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Derived:
     """Everything about the config alone that can be wrong, checked before data or compilation."""
     m, d, t, par = cfg.model, cfg.data, cfg.train, cfg.parallel
-    problems = _value_problems(cfg) + models.problems(m) + mixture_problems(d)
+    problems = _value_problems(cfg) + models.problems(m) + mixture_problems(d) + optim_problems(cfg.optim)
     if d.streaming and d.format in formats.names() and not (fmt := formats.get(d.format)).streams:
         problems.append(f"data.format={d.format} with data.streaming=true: streamed {fmt.what} is not supported yet")
     if d.seq_len > m.max_seq_len:

@@ -12,6 +12,7 @@ from jdp import parallel
 from jdp.build import batch_spec, build
 from jdp.config import Config, ConfigError, validate
 from jdp.models.common import lm_loss
+from jdp.optim import whole_matrices
 from jdp.parallel import strategies
 from jdp.parallel.buckets import bucket_plan
 
@@ -128,6 +129,7 @@ def all_reduce_report(cfg: Config) -> tuple[str, dict]:
     found = collectives(lowered.compile().as_text())
     grads = _match(found, grad_kind, buckets, padded)
     gathers = _match(found, "all-gather", *gathered) if s.gathers_parameters else {}
+    mats, whole = _whole_matrices(cfg, state, layout, [a for a in found if id(a) not in gathers])
     param_bytes, padded_bytes, padding = layout.param_bytes(state)  # as the strategy's layout pads them
     lines = [
         f"collectives of the compiled train step: parallel.strategy={strategy}, {n} x {jax.devices()[0].device_kind}, "
@@ -135,17 +137,19 @@ def all_reduce_report(cfg: Config) -> tuple[str, dict]:
         f"train.grad_accum={cfg.train.grad_accum}",
         f"{'#':>3}  {'kind':<14} {'bytes':>13}  {'result':<18} {'in a loop':<9}  contents",
     ]
-    lines += _rows(found, grads, gathers, n_leaves=len(shapes))
+    lines += _rows(found, grads, gathers, n_leaves=len(shapes), matrices=whole)
     grad_bytes = sum(a.bytes for a in found if id(a) in grads)
     gather_bytes = sum(a.bytes for a in found if id(a) in gathers)
     emitted_bytes = sum(a.bytes for a in emitted_found if id(a) in emitted)
-    others = [a for a in found if id(a) not in grads and id(a) not in gathers]
+    others = [a for a in found if id(a) not in grads and id(a) not in gathers and id(a) not in whole]
     lines.append(
         f"gradients: {len(grads)} {grad_kind}(s), {grad_bytes:,} bytes in all = {grad_bytes / param_bytes:.2f} x "
         f"the parameter bytes ({param_bytes:,} bytes, {n_params:,} parameters{padding})"
     )
     if s.gathers_parameters:
         lines.append(f"parameters: {len(gathers)} all-gather(s), {gather_bytes:,} bytes in all")
+    if mats:
+        lines.append(f"Muon's matrices: {len(whole)} all-gather(s) of {len(mats)} matrices (one loop per shape)")
     lines.append(f"other collectives: {len(others)}, {sum(a.bytes for a in others):,} bytes")
     if emitted_bytes != grad_bytes:
         lines.append(
@@ -165,6 +169,8 @@ def all_reduce_report(cfg: Config) -> tuple[str, dict]:
         "gradient_bytes_total": grad_bytes,
         "parameter_all_gathers": len(gathers),
         "parameter_gather_bytes_total": gather_bytes,
+        "muon_matrices": len(mats),
+        "muon_all_gathers": len(whole),
         "emitted_gradient_collectives": len(emitted),
         "emitted_gradient_bytes_total": emitted_bytes,
         "parameter_bytes": param_bytes,
@@ -176,6 +182,16 @@ def all_reduce_report(cfg: Config) -> tuple[str, dict]:
         "in_loop": sum(a.in_loop for a in found),
     }
     return "\n".join(lines), numbers
+
+
+def _whole_matrices(cfg: Config, state, layout, found: list) -> tuple[list, dict]:
+    """Muon under a split layout: each of its matrices all-gathered whole for Newton-Schulz (jdp/muon.py), matched
+    among `found` by element count. (the matrices, id(collective) -> the matrix it carries)."""
+    shapes = jax.tree.leaves(state.param_shapes())
+    wanted = whole_matrices(cfg.optim, state.param_shapes()) if layout.shards else [False] * len(shapes)
+    names = parallel.param_names(state.params)
+    mats = [(_Named([name]), math.prod(layout.shape(x))) for name, x, w in zip(names, shapes, wanted, strict=True) if w]
+    return mats, (_match(found, "all-gather", *zip(*mats, strict=True)) if mats else {})
 
 
 def _planned_collectives(s: strategies.Strategy, graphdef, state, micro, p, pad: int):
@@ -238,9 +254,17 @@ def compression_report(cfg: Config) -> tuple[str, dict]:
     return "\n".join(lines), numbers
 
 
+@dataclass(frozen=True)
+class _Named:
+    """What a collective carries, where it is not a bucket: the parameters it names."""
+
+    names: list
+
+
 def _rows(
-    found: list, grads: dict, gathers: dict, unplanned: str = "not one of jdp's gradient buckets", n_leaves: int = 0
-) -> list[str]:
+    found: list, grads: dict, gathers: dict, unplanned: str = "not one of jdp's gradient buckets", n_leaves: int = 0,
+    matrices: dict | None = None,
+) -> list[str]:  # fmt: skip
     """One line per collective: kind, bytes, result shape, whether in a loop, and what it carries; the scalar
     all-reduces of the norms share one line (n_leaves: the number of parameter arrays, to count them by)."""
     # zero1: jit computes each global norm (grad_norm, and clipping's) from the gradient slices: one partial sum
@@ -257,6 +281,9 @@ def _rows(
             what = f"gradient norms: {k} partial sums of squares {how}, one per parameter and norm{per}"
             rows.append(_row(len(rows) + 1, a.kind, sum(c.bytes for c in norms), shapes,
                              any(c.in_loop for c in norms), what))  # fmt: skip
+        elif matrices and id(a) in matrices:
+            what = f"Muon: the whole matrix for Newton-Schulz: {matrices[id(a)].names[0]}"
+            rows.append(_row(len(rows) + 1, a.kind, a.bytes, a.shapes, a.in_loop, what))
         elif not any(a is c for c in norms):
             b = grads.get(id(a)) or gathers.get(id(a))
             more = f" + {len(b.names) - 3} more" if b and len(b.names) > 3 else ""

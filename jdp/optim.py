@@ -1,13 +1,17 @@
-"""The optimizer: AdamW (or SGD) with linear warmup, cosine decay and global-norm clipping, from optax."""
+"""The optimizer: AdamW, SGD or Muon (jdp/muon.py) with linear warmup, cosine decay and global-norm clipping, from
+optax. One builder per `optim.name` below."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import optax
 
+from jdp import muon
 from jdp.config import OptimConfig
 
-__all__ = ["NO_DECAY", "decay_mask", "make_optimizer", "make_schedule"]
+__all__ = ["BUILDERS", "NO_DECAY", "adamw_only", "decay_mask", "make_optimizer", "make_schedule", "whole_matrices"]
 
 # Parameter-path fragments that never get weight decay: embeddings (token and position) and norms.
 NO_DECAY = ("embed", "norm")
@@ -35,14 +39,47 @@ def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     )
 
 
+def _adamw(cfg: OptimConfig, schedule: optax.Schedule, total_steps: int) -> optax.GradientTransformation:
+    return optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask)
+
+
+def _sgd(cfg: OptimConfig, schedule: optax.Schedule, total_steps: int) -> optax.GradientTransformation:
+    return optax.sgd(schedule, momentum=cfg.momentum or None)
+
+
+def _muon(cfg: OptimConfig, schedule: optax.Schedule, total_steps: int) -> optax.GradientTransformation:
+    """Muon for the hidden matrices at optim.muon_lr (0: optim.lr) on the same warmup and decay, AdamW for the
+    embeddings, norms, output head and every parameter that is not a matrix (optim.muon_adamw)."""
+    rate = make_schedule(dataclasses.replace(cfg, lr=cfg.muon_lr), total_steps) if cfg.muon_lr else schedule
+    return muon.muon(
+        rate, schedule, beta=cfg.muon_momentum, nesterov=cfg.muon_nesterov, steps=cfg.muon_ns_steps,
+        coeffs=muon.parse_coeffs(cfg.muon_ns_coeffs), scale=cfg.muon_scale, weight_decay=cfg.weight_decay,
+        adamw_only=adamw_only(cfg), decay_mask=decay_mask, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+    )  # fmt: skip
+
+
+def adamw_only(cfg: OptimConfig) -> tuple[str, ...]:
+    """optim.muon_adamw's name fragments: the matrices Muon leaves to AdamW."""
+    return tuple(part.strip().lower() for part in cfg.muon_adamw.split(",") if part.strip())
+
+
+BUILDERS = {"adamw": _adamw, "sgd": _sgd, "muon": _muon}  # optim.name -> its optax transformation
+
+
+def whole_matrices(cfg: OptimConfig, params) -> list[bool]:
+    """Per parameter (in leaf order), whether the optimizer needs it whole at each update: Muon's matrices, which
+    a split layout (zero1, fsdp, hsdp) all-gathers onto every device for Newton-Schulz; no other optimizer's."""
+    if cfg.name != "muon":
+        return [False] * len(jax.tree.leaves(params))
+    only = adamw_only(cfg)
+    return [muon.is_matrix(path, x, only) for path, x in jax.tree_util.tree_leaves_with_path(params)]
+
+
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     schedule = make_schedule(cfg, total_steps)
-    if cfg.name == "adamw":
-        opt = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask)
-    elif cfg.name == "sgd":
-        opt = optax.sgd(schedule, momentum=cfg.momentum or None)
-    else:
-        raise ValueError(f"optim.name={cfg.name!r} must be adamw or sgd")
+    if cfg.name not in BUILDERS:
+        raise ValueError(f"optim.name={cfg.name!r} must be one of {', '.join(BUILDERS)}")
+    opt = BUILDERS[cfg.name](cfg, schedule, total_steps)
     if cfg.grad_clip > 0:
         opt = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), opt)
     return opt, schedule

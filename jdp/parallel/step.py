@@ -4,6 +4,7 @@ guard, and the eval step and replica checks. The strategies (strategies/) assemb
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jdp import muon
 from jdp.errors import ConfigError
 from jdp.nn import RowIds, RowKey
 from jdp.parallel.buckets import Bucket, bucket_plan
@@ -174,6 +176,22 @@ class OptLayout:
         """A leaf's shape as the optimizer sees it in this layout."""
         return tuple(x.shape)
 
+    def whole(self, x, shape: tuple[int, ...]):
+        """A leaf as this layout views it (`view`) -> the parameter of `shape` whole again."""
+        return x
+
+    def gathered(self, x, shape: tuple[int, ...], mesh: jax.sharding.Mesh):
+        """A leaf of this layout's view -> its parameter whole on every device of `mesh` (one all-gather): what
+        Muon's Newton-Schulz needs (jdp/muon.py). Replicated in and out: left to itself, XLA split each iteration's
+        matmuls over the devices and gathered between them (8x the matrix's bytes, measured under zero1)."""
+        return jax.lax.with_sharding_constraint(self.whole(x, shape), replicated(mesh))
+
+    def scattered(self, whole, like, mesh: jax.sharding.Mesh):
+        """A parameter whole on every device -> this layout's view of it, placed as `like` (each device keeps its
+        own part: a slice, no collective)."""
+        part = self.shardings(jax.ShapeDtypeStruct(like.shape, like.dtype), mesh)
+        return jax.lax.with_sharding_constraint(self.view(jax.lax.with_sharding_constraint(whole, replicated(mesh))), part)
+
     def shapes(self, optimizer: optax.GradientTransformation, params):
         """The optimizer state's shapes in this layout (nothing is computed)."""
         return jax.eval_shape(lambda p: optimizer.init(self.view(p)), _shapes(params))
@@ -198,6 +216,14 @@ class OptLayout:
         """A split layout's refusal of an optimizer whose state is not elementwise: its state would change meaning
         when flattened or padded."""
         canonical, split = OptLayout().shapes(optimizer, params), self.shapes(optimizer, params)
+        matrixwise = lambda x: isinstance(x, optax.contrib.MuonState)  # noqa: E731
+        if any(matrixwise(x) for x in jax.tree.leaves(canonical, is_leaf=matrixwise)):
+            raise ValueError(
+                f"optax.contrib.muon orthogonalises each leaf it is given, and strategy='{name}' gives it its split "
+                f"views of the parameters, not the matrices: it would train something else. Use jdp's Muon "
+                f"(jdp.muon.muon, or optim.name=muon through jdp.make_optimizer), which asks the layout for each "
+                f"matrix whole, or strategy='ddp'"
+            )
         odd = []
         if jax.tree.structure(canonical) != jax.tree.structure(split):
             odd.append("its state has another structure")
@@ -412,9 +438,11 @@ def update(optimizer, schedule, state: TrainState, grads, loss, weight, rest, co
     return TrainState(state.step + 1, params, opt_state, rest, comm), metrics
 
 
-def apply_update(optimizer, schedule, step, params, opt_state, grads, loss, weight):
-    """optax's update and the skip guard: (new params, new optimizer state, metrics). Under zero1 the arrays are
-    the flat views (OptLayout), split over the devices; the norm is still the whole gradient's."""
+def apply_update(optimizer, schedule, step, params, opt_state, grads, loss, weight, layout=None, shapes=None,
+                 mesh=None):  # fmt: skip
+    """optax's update and the skip guard: (new params, new optimizer state, metrics). Under zero1 and fsdp the
+    arrays are `layout`'s views (OptLayout) of parameters shaped `shapes`, split over `mesh`; the norm is still
+    the whole gradient's, and an optimizer that needs whole matrices (Muon) asks the layout for them."""
     grad_norm = optax.tree.norm(grads)
     # A non-finite loss or gradient skips the update (as PyTorch's GradScaler does). These values come after
     # the all-reduce, so every replica takes the same decision; the batch still counts as consumed (state.step
@@ -426,7 +454,8 @@ def apply_update(optimizer, schedule, step, params, opt_state, grads, loss, weig
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
     def updated(params, opt_state):
-        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        with muon.laid_out(layout, shapes, mesh) if layout is not None else contextlib.nullcontext():
+            updates, new_opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), new_opt_state
 
     new_params, new_opt_state = jax.lax.cond(ok, updated, lambda p, o: (p, o), params, opt_state)

@@ -62,6 +62,9 @@ class Rows(OptLayout):
     def shape(self, x) -> tuple[int, ...]:
         return (x.shape[0] + -x.shape[0] % self.shards, *x.shape[1:]) if x.ndim else tuple(x.shape)
 
+    def whole(self, x, shape: tuple[int, ...]):
+        return x[: shape[0]] if x.ndim else x
+
     def shardings(self, shapes, mesh: jax.sharding.Mesh):
         """Split in rows over `data`, or hsdp's `shard` (each group holding the whole state)."""
         k, axis = shard_count(mesh), shard_axis(mesh)
@@ -601,7 +604,8 @@ def split_step(
         )
         grads, loss, weight, rest = sharded(state.params, state.rest, state.step, batch)
         params, opt_state, metrics = apply_update(
-            optimizer, schedule, state.step, state.params, state.opt_state, grads, loss, weight
+            optimizer, schedule, state.step, state.params, state.opt_state, grads, loss, weight, lay,
+            state.param_shapes(), mesh,
         )
         params = jax.lax.with_sharding_constraint(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
         opt_state = jax.lax.with_sharding_constraint(opt_state, lay.shardings(expected, mesh))

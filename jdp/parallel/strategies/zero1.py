@@ -5,6 +5,7 @@ optimizer state per device."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -46,6 +47,9 @@ class Slices(OptLayout):
     def shape(self, x) -> tuple[int, ...]:
         padded = x.size + -x.size % self.shards
         return (1,) * (x.ndim - 1) + (padded,)
+
+    def whole(self, x, shape: tuple[int, ...]):
+        return x.reshape(-1)[: math.prod(shape)].reshape(shape)
 
     def shardings(self, shapes, mesh: jax.sharding.Mesh):
         n = self.shards
@@ -218,7 +222,7 @@ def make_step(
         split = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
         params = jax.lax.with_sharding_constraint(layout.view(state.params), split)  # each device's own slice
         params, opt_state, metrics = apply_update(
-            optimizer, schedule, state.step, params, state.opt_state, grads, loss, weight
+            optimizer, schedule, state.step, params, state.opt_state, grads, loss, weight, layout, state.params, mesh
         )
         opt_state = jax.lax.with_sharding_constraint(opt_state, layout.shardings(expected, mesh))  # stays split
         # check_vma=False: all_gather's result is typed per-device, but every device holds the same values.
