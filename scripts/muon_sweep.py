@@ -2,11 +2,13 @@
 time of both under ddp and fsdp on 4 simulated devices, side by side.
 
     python scripts/muon_sweep.py --out DIR [--configs tiny,llama-tiny] [--steps 200] [--lrs 1e-3,2e-3,4e-3]
+                                 [--muon-lrs 2e-3,4e-3,8e-3]
     python scripts/muon_sweep.py --out DIR --timing [--steps 30]
 
 The sweep runs `jdp train CONFIG optim.name=adamw|muon optim.lr=LR` (one device, evaluated every steps/8) one
-after another, prints each run's final eval loss, the best rate of each optimizer, how many tokens Muon's best run
-needed to reach AdamW's best final eval loss, and plots eval loss against tokens to DIR/muon.png (docs/muon.md).
+after another (a run already in DIR is read, not run again), prints each run's final eval loss, the best rate of
+each optimizer, how many tokens Muon's best run needed to reach AdamW's best final eval loss, and plots eval loss
+against tokens to DIR/muon.png (docs/muon.md).
 Muon's matrices take the same optim.lr (optim.muon_scale=rms: an update of AdamW's RMS). --timing alternates
 adamw and muon under ddp and fsdp on 4 devices, twice, and prints the median ms/step of each (docs/muon.md).
 """
@@ -27,7 +29,9 @@ sys.path.insert(0, str(ROOT))
 from jdp.metrics import read_metrics  # noqa: E402
 
 
-def train(run_dir: Path, config: str, extra: list[str], devices: int = 1) -> list[dict]:
+def train(run_dir: Path, config: str, extra: list[str], devices: int = 1, reuse: bool = False) -> list[dict]:
+    if reuse and (run_dir / "summary.json").exists():  # a finished run of an earlier sweep: its records
+        return read_metrics(run_dir / "metrics.jsonl")
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     if devices > 1:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
@@ -56,10 +60,11 @@ def sweep(a) -> int:
     results = {}
     for config in a.configs.split(","):
         for optim in ("adamw", "muon"):
-            for lr in a.lrs.split(","):
+            for lr in (a.muon_lrs or a.lrs).split(",") if optim == "muon" else a.lrs.split(","):
                 d = a.out / f"{config}-{optim}-{lr}"
                 records = train(d, config, [f"optim.name={optim}", f"optim.lr={lr}", f"train.steps={a.steps}",
-                                            f"train.eval_every={max(a.steps // 8, 1)}", "train.ckpt_every=0"])  # fmt: skip
+                                            f"train.eval_every={max(a.steps // 8, 1)}", "train.ckpt_every=0"],
+                                reuse=True)  # fmt: skip
                 curve = eval_curve(records)
                 results[config, optim, lr] = curve
                 print(f"{config:<11} {optim:<6} lr {lr:<7} final eval loss {curve[-1][1]:.4f}", flush=True)
@@ -133,6 +138,7 @@ def main() -> int:
     ap.add_argument("--configs", default="tiny,llama-tiny")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--lrs", default="1e-3,2e-3,4e-3")
+    ap.add_argument("--muon-lrs", default="", help="Muon's rates, if not --lrs")
     ap.add_argument("--timing", action="store_true", help="ms/step under ddp and fsdp on 4 devices instead")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
