@@ -97,7 +97,7 @@ SOURCE_KEYS = ("source", "weight", "label", "name", "split", "text_column", "tex
 
 @dataclass(frozen=True)
 class OptimConfig:
-    name: str = "adamw"  # adamw, sgd or muon (Muon for the hidden matrices, AdamW for the rest: docs/training.md#muon)
+    name: str = "adamw"  # adamw, sgd or muon (Muon for the hidden matrices, AdamW for the rest: docs/muon.md)
     lr: float = 1e-3  # peak learning rate
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
@@ -437,12 +437,20 @@ class Derived:
         )
 
 
+def ns_coeffs(text: str) -> tuple[tuple[float, float, float], ...]:
+    """optim.muon_ns_coeffs: 3 numbers (a, b, c of every Newton-Schulz step) or 3 per step, `,` or `;` between;
+    ValueError if it is not."""
+    values = tuple(float(v) for v in str(text).replace(";", ",").split(",") if v.strip())
+    if not values or len(values) % 3 or not all(math.isfinite(v) for v in values):
+        raise ValueError(f"{text!r}: expected 3 finite numbers, or 3 per Newton-Schulz step")
+    return tuple(values[i : i + 3] for i in range(0, len(values), 3))
+
+
 def _coeffs_ok(text: str) -> bool:
     try:
-        values = [float(v) for v in str(text).replace(";", ",").split(",") if v.strip()]
+        return bool(ns_coeffs(text))
     except ValueError:
         return False
-    return bool(values) and len(values) % 3 == 0 and all(math.isfinite(v) for v in values)
 
 
 _POSITIVE = (lambda v: v > 0, "positive")
@@ -572,8 +580,8 @@ def optim_problems(o: OptimConfig) -> list[str]:
             f"set optim.name=muon"
             for f in dataclasses.fields(o) if f.name.startswith("muon_") and getattr(o, f.name) != getattr(default, f.name)
         ]  # fmt: skip
-    triples = len([v for v in str(o.muon_ns_coeffs).replace(";", ",").split(",") if v.strip()]) // 3
-    if _coeffs_ok(o.muon_ns_coeffs) and triples not in (1, o.muon_ns_steps):
+    triples = len(ns_coeffs(o.muon_ns_coeffs)) if _coeffs_ok(o.muon_ns_coeffs) else 1
+    if triples not in (1, o.muon_ns_steps):
         return [
             f"optim.muon_ns_coeffs holds {triples} triples of coefficients for optim.muon_ns_steps={o.muon_ns_steps} "
             f"steps: give one triple for every step, or one per step"

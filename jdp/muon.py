@@ -4,11 +4,10 @@ every layout of the optimizer state.
 Newton-Schulz needs each matrix whole, but zero1, fsdp and hsdp hand the optimizer their views of the parameters
 (zero1: every leaf flat and padded, fsdp: rows padded), split over the devices. So Muon keeps its momentum in the
 view (elementwise, split as AdamW's moments are), and for the orthogonalisation asks the layout the strategy's step
-names (`laid_out`, set around the update by `parallel.step.apply_update`) for each matrix whole
-(`layout.whole(leaf, shape)`), orthogonalises it with optax's own Newton-Schulz, and lays the result out again
-(`layout.view`). Under jit the whole matrix is an all-gather XLA places from the shardings; under ddp (no layout
-named) the leaves are the matrices. The arithmetic is optax.contrib.muon's (tests/test_muon.py compares them).
-"""
+names (`laid_out`, set around the update by `parallel.step.apply_update`) for each matrix whole on every device
+(`layout.gathered`: one all-gather), orthogonalises it with optax's own Newton-Schulz, and hands it back to be laid
+out again (`layout.scattered`: each device keeps its part). Under ddp (no layout named) the leaves are the
+matrices. The arithmetic is optax.contrib.muon's (tests/test_muon.py compares them)."""
 
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-__all__ = ["MuonState", "is_matrix", "laid_out", "muon", "parse_coeffs", "scale_by_muon"]
+__all__ = ["MuonState", "is_matrix", "laid_out", "muon", "scale_by_muon"]
 
 # How a strategy's update sees the parameters: (its layout, {parameter path: the parameter's own shape}); None
 # (ddp, dp, a user's own loop): the leaves are the parameters as they are.
@@ -30,22 +29,14 @@ _LAYOUT: contextvars.ContextVar = contextvars.ContextVar("jdp_muon_layout", defa
 @contextlib.contextmanager
 def laid_out(layout: Any, shapes: Any, mesh: jax.sharding.Mesh):
     """While the optimizer updates `layout`'s views of parameters shaped `shapes` (a tree like the parameters),
-    split over `mesh`: Muon asks `layout.whole(leaf, shape)` for each matrix, all-gathered onto every device, and
-    `layout.view(matrix)` to lay its update out again (each device keeping its own part, no collective)."""
+    split over `mesh`: Muon asks `layout.gathered(leaf, shape, mesh)` for each matrix whole on every device and
+    `layout.scattered(update, leaf, mesh)` to lay its update out again (each device keeping its own part)."""
     own = {jax.tree_util.keystr(p): tuple(s.shape) for p, s in jax.tree_util.tree_leaves_with_path(shapes)}
     token = _LAYOUT.set((layout, own, mesh))
     try:
         yield
     finally:
         _LAYOUT.reset(token)
-
-
-def parse_coeffs(text: str) -> tuple[tuple[float, float, float], ...]:
-    """optim.muon_ns_coeffs: 3 numbers (a, b, c of every step) or 3 per step, comma-separated."""
-    values = tuple(float(v) for v in str(text).replace(";", ",").split(",") if v.strip())
-    if not values or len(values) % 3:
-        raise ValueError(f"{text!r}: expected 3 numbers, or 3 per Newton-Schulz step")
-    return tuple(values[i : i + 3] for i in range(0, len(values), 3))
 
 
 def is_matrix(path, leaf, adamw_only: tuple[str, ...]) -> bool:

@@ -9,7 +9,7 @@ import jax
 import optax
 
 from jdp import muon
-from jdp.config import OptimConfig
+from jdp.config import OptimConfig, ns_coeffs
 
 __all__ = ["BUILDERS", "NO_DECAY", "adamw_only", "decay_mask", "make_optimizer", "make_schedule", "whole_matrices"]
 
@@ -53,7 +53,7 @@ def _muon(cfg: OptimConfig, schedule: optax.Schedule, total_steps: int) -> optax
     rate = make_schedule(dataclasses.replace(cfg, lr=cfg.muon_lr), total_steps) if cfg.muon_lr else schedule
     return muon.muon(
         rate, schedule, beta=cfg.muon_momentum, nesterov=cfg.muon_nesterov, steps=cfg.muon_ns_steps,
-        coeffs=muon.parse_coeffs(cfg.muon_ns_coeffs), scale=cfg.muon_scale, weight_decay=cfg.weight_decay,
+        coeffs=ns_coeffs(cfg.muon_ns_coeffs), scale=cfg.muon_scale, weight_decay=cfg.weight_decay,
         adamw_only=adamw_only(cfg), decay_mask=decay_mask, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
     )  # fmt: skip
 
