@@ -24,6 +24,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -91,20 +92,46 @@ def spawn():
 
 
 @pytest.fixture(scope="session")
-def reference_runs(tmp_path_factory):
+def made_once(tmp_path_factory):
+    """made_once(name, make) -> the directory `make(path)` filled, made once per test session however many
+    pytest-xdist workers ask (the first makes it under their common base directory, holding a lock; the others wait
+    for it and read it): a module fixture's runs are not done again on the other core. Tests copy what they would
+    change. Without xdist, the session's own base directory."""
+    import fcntl
+    import shutil
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+    def get(name: str, make) -> Path:
+        path, done = root / f"once-{name}", root / f"once-{name}.done"
+        with open(root / f"once-{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when a worker dies
+            if not done.exists():
+                shutil.rmtree(path, ignore_errors=True)
+                path.mkdir()
+                make(path)
+                done.touch()
+        return path
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def reference_runs(tmp_path_factory, made_once):
     """reference_runs(name, extra) -> the run directory of an uninterrupted 8-step `jdp train` run on 1 process x
-    4 devices, checkpointing every 4 steps, with `extra` overrides: made once per session (test_zero1.py and
-    test_fsdp.py continue from the same ddp run; tests copy a reference before changing anything)."""
+    4 devices, checkpointing every 4 steps, with `extra` overrides: made once per session, on one worker
+    (test_zero1.py and test_fsdp.py continue from the same ddp run; tests copy a reference before changing
+    anything)."""
+    import hashlib
+
     from test_faults import run
 
     env = {**os.environ, "JDP_CACHE": str(tmp_path_factory.mktemp("reference-cache")), "PYTHONUNBUFFERED": "1"}
-    made: dict = {}
 
     def get(name: str, extra: list[str]):
-        key = (name, tuple(extra))
-        if key not in made:
-            made[key] = tmp_path_factory.mktemp(f"reference-{name}")
-            run(made[key], env, (1, 4), ["train.steps=8", "train.ckpt_every=4", *extra])
-        return made[key]
+        key = hashlib.sha256(repr(tuple(extra)).encode()).hexdigest()[:8]
+        return made_once(f"reference-{name}-{key}",
+                         lambda d: run(d, env, (1, 4), ["train.steps=8", "train.ckpt_every=4", *extra]))  # fmt: skip
 
     return get

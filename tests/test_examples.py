@@ -52,10 +52,8 @@ def losses(run_dir) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def four(env, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("four") / "run"
-    classifier(run_dir, env, (1, 4))
-    return run_dir
+def four(env, made_once):
+    return made_once("classifier-four", lambda d: classifier(d / "run", env, (1, 4))) / "run"
 
 
 def test_one_device_and_four_train_the_same_classifier(four, env, tmp_path):

@@ -85,11 +85,9 @@ def killed_at_save_then_resumed(run_dir, env, extra, reference, at=8):
 
 
 @pytest.fixture(scope="module")
-def reference_1x4(env, tmp_path_factory):
-    """An uninterrupted 12-step run on 1 process x 4 devices, checkpointing every 4 steps."""
-    ref = tmp_path_factory.mktemp("reference-1x4")
-    run(ref, env, (1, 4), ["train.steps=12", "train.ckpt_every=4"])
-    return ref
+def reference_1x4(env, made_once):
+    """An uninterrupted 12-step run on 1 process x 4 devices, checkpointing every 4 steps (one worker's)."""
+    return made_once("reference-1x4", lambda d: run(d, env, (1, 4), ["train.steps=12", "train.ckpt_every=4"]))
 
 
 @pytest.mark.parametrize(

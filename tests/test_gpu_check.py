@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-# One worker runs the module (pytest-xdist): its fixture, the CPU check, then runs once.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("gpu_check")]
+pytestmark = [pytest.mark.slow]
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
@@ -30,16 +29,11 @@ def _env(**extra) -> dict:
     return {**env, "PYTHON": sys.executable, **extra}
 
 
-@pytest.fixture(scope="module")
-def cpu_check(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gpu-check")
+def test_the_cpu_mode_runs_every_step_writes_five_files_and_a_full_summary(tmp_path):
+    """One test for the one run of the check (pytest-xdist would run a module fixture on each worker that asks)."""
+    out = tmp_path / "gpu-check"
     proc = subprocess.run(["bash", str(SCRIPT), "--cpu", "--out", str(out)], env=_env(), capture_output=True,
                           text=True, timeout=600)  # fmt: skip
-    return out, proc
-
-
-def test_the_cpu_mode_runs_every_step_and_writes_five_files(cpu_check):
-    out, proc = cpu_check
     assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-3000:])
     # five files, none in a folder: what the device tool brings back (at most 8 files, 16 MB each)
     assert sorted(p.name for p in out.iterdir()) == [
@@ -86,11 +80,10 @@ def test_the_cpu_mode_runs_every_step_and_writes_five_files(cpu_check):
     assert {"run-tiny/metrics.jsonl", "run-llama-tiny/summary.json", "run-tiny/config.yaml"} <= set(names)
     summary = json.loads(tarfile.open(out / "runs.tar.gz").extractfile("run-tiny/summary.json").read())
     assert "peak_memory_bytes" in summary and summary["peak_memory_bytes"] is None  # a CPU's runtime does not say
+    summary_holds_every_section_with_numbers((out / "summary.md").read_text())
 
 
-def test_the_summary_holds_every_section_with_numbers(cpu_check):
-    out, _ = cpu_check
-    text = (out / "summary.md").read_text()
+def summary_holds_every_section_with_numbers(text: str) -> None:
     for heading in ("## Environment", "## Correctness", "### Attention", "## Speed", "## Memory per device",
                     "## Profile and goodput", "## Sampling with the KV cache", "## Activation recomputation",
                     "## Verdict"):  # fmt: skip

@@ -193,11 +193,10 @@ def env(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(env, tmp_path_factory):
-    """An uninterrupted 8-step PowerSGD run on 1 process x 4 devices, checkpointing every 4 steps."""
-    d = tmp_path_factory.mktemp("reference-powersgd")
-    run(d, env, (1, 4), ["train.steps=8", "train.ckpt_every=4", *POWERSGD])
-    return d
+def reference(env, made_once):
+    """An uninterrupted 8-step PowerSGD run on 1 process x 4 devices, checkpointing every 4 steps (one worker's)."""
+    return made_once("reference-powersgd", lambda d: run(d, env, (1, 4), ["train.steps=8", "train.ckpt_every=4",
+                                                                           *POWERSGD]))  # fmt: skip
 
 
 @pytest.mark.slow

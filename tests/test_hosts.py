@@ -239,21 +239,22 @@ def test_a_slow_lossy_link_trains_the_same_losses(env, tmp_path, reference):
 @pytest.mark.skipif(bool(shape_unavailable()), reason=f"no link can be shaped here: {shape_unavailable()}")
 def test_diloco_across_a_slow_lossy_link_restarts_and_trains_as_one_host(env, tmp_path, diloco_reference):
     """parallel.sync=diloco (a group per host, H=4) over host 1's 20 +- 5 ms, 1% loss link, process 3 killed after
-    step 7 (mid-round; the checkpoint at 5 is mid-round too) and every host's workers restarted: the job resumes and
+    step 11 (mid-round; the checkpoint at 10 is mid-round too) and every host's workers restarted: the job resumes and
     ends bit for bit as the same DiLoCo job uninterrupted on 1 host x 4 processes as 2 groups (every loss, the round's
-    parameters), and its steps are timed against that run (printed)."""
+    parameters), and its steps are timed against that run (printed). Two checkpoints, at 10 and 20: over this link
+    each save's barriers take seconds."""
     import inject
 
     reference, d = diloco_reference, tmp_path / "run"
-    faults, override = inject.register(env, JDP_TEST_KILL_ONCE=f"7:3:{tmp_path / 'killed'}")
+    faults, override = inject.register(env, JDP_TEST_KILL_ONCE=f"11:3:{tmp_path / 'killed'}")
     with Hosts(2, shaped=(1,)) as hosts:
         hosts.shape(1, delay_ms=20, jitter_ms=5, loss_pct=1)
-        procs = [launch(hosts, i, d, [*STEPS, *DILOCO, override], env=faults,
+        procs = [launch(hosts, i, d, [*STEPS, "train.ckpt_every=10", *DILOCO, override], env=faults,
                         launcher=["--max-restarts", "1"]) for i in range(2)]  # fmt: skip
         codes = wait_all(procs, 400)
         logs = [(tmp_path / f"run-host{i}.log").read_text() for i in range(2)]
     assert codes == [0, 0], "\n\n".join(log[-3000:] for log in logs)
-    assert (tmp_path / "killed").exists() and "resuming from the checkpoint at step 5" in logs[0]
+    assert (tmp_path / "killed").exists() and "resuming from the checkpoint at step 10" in logs[0]
     assert "parallel.sync=diloco: a group per host, synced every 4 steps" in logs[0]
     mine, theirs = read_metrics(d / "metrics.jsonl"), read_metrics(reference / "metrics.jsonl")
     assert {r["step"]: r["loss"] for r in mine if "loss" in r} == {r["step"]: r["loss"] for r in theirs if "loss" in r}

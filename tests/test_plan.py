@@ -126,8 +126,11 @@ def compiled_per_device(cfg, n: int) -> int:
     return m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
 
 
-@pytest.mark.parametrize("shape", list(GRID))
-def test_the_plan_matches_the_compiled_step_per_device(shape):
+CASES = [("activations", variant) for variant in VARIANTS] + [("state", "plain")]  # one test each: xdist spreads them
+
+
+@pytest.mark.parametrize("shape, variant", CASES, ids=[f"{shape}-{variant}" for shape, variant in CASES])
+def test_the_plan_matches_the_compiled_step_per_device(shape, variant):
     """The memory check's bytes per device (plan.device_memory, as on this platform and JAX version:
     recomputes_activations) against the compiled step's, for every planned strategy, with and without
     recomputation and grad_accum (where the state dominates, plain only: the activations hardly count), within 10%
@@ -135,24 +138,20 @@ def test_the_plan_matches_the_compiled_step_per_device(shape):
     the same in the plan."""
     n, frees = 4, plan.recomputes_activations("cpu")
     errors, totals = {}, {}
-    for variant, extra in VARIANTS.items() if shape == "activations" else [("plain", [])]:
-        for strategy in plan.planned_strategies():
-            group = ["parallel.shard_size=2"] if strategies.get(strategy).groups else []
-            cfg = load_config("tiny", [*GRID[shape], *extra, f"parallel.strategy={strategy}", *group])
-            planned = plan.device_memory(cfg, n, validate(cfg, n).micro_batch, False, frees=frees).total
-            compiled = compiled_per_device(cfg, n)
-            errors[variant, strategy] = (planned - compiled) / compiled
-            totals.setdefault(variant, {})[strategy] = (planned, compiled)
-            print(f"{shape} {variant:12} {strategy:6} compiled {compiled / 1e6:7.2f} MB, planned {planned / 1e6:7.2f} "
-                  f"MB ({errors[variant, strategy]:+.1%})")  # fmt: skip
-    for (variant, strategy), error in errors.items():
+    for strategy in plan.planned_strategies():
+        group = ["parallel.shard_size=2"] if strategies.get(strategy).groups else []
+        cfg = load_config("tiny", [*GRID[shape], *VARIANTS[variant], f"parallel.strategy={strategy}", *group])
+        planned = plan.device_memory(cfg, n, validate(cfg, n).micro_batch, False, frees=frees).total
+        totals[strategy] = planned, compiled_per_device(cfg, n)
+        errors[strategy] = (planned - totals[strategy][1]) / totals[strategy][1]
+        print(f"{shape} {variant:12} {strategy:6} compiled {totals[strategy][1] / 1e6:7.2f} MB, planned "
+              f"{planned / 1e6:7.2f} MB ({errors[strategy]:+.1%})")  # fmt: skip
+    for strategy, error in errors.items():
         assert abs(error) <= 0.10, (shape, variant, strategy, f"{error:+.1%}")
-    for variant, by in totals.items():
-        for a in by:
-            for b in by:
-                (plan_a, compiled_a), (plan_b, compiled_b) = by[a], by[b]
-                if compiled_a > 1.15 * compiled_b:
-                    assert plan_a > plan_b, (variant, a, b, by)
+    for a, (plan_a, compiled_a) in totals.items():
+        for b, (plan_b, compiled_b) in totals.items():
+            if compiled_a > 1.15 * compiled_b:
+                assert plan_a > plan_b, (variant, a, b, totals)
 
 
 def test_fused_attention_drops_the_quadratic_term():
