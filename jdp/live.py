@@ -56,7 +56,7 @@ from jdp.data.pipeline import Batches, load_data
 from jdp.data.tokens import windows
 from jdp.job.xla import use_compilation_cache
 from jdp.log import logger
-from jdp.metrics import params_sha256, supersede
+from jdp.metrics import MetricsLog, params_sha256, supersede
 from jdp.models import make_model
 from jdp.models.common import lm_loss
 from jdp.optim import make_optimizer
@@ -133,8 +133,11 @@ class Member:
         self.fingerprint = self.data.fingerprint()  # what the data is: each checkpoint keeps it, a resume compares
         graphdef, params, rest = nnx.split(make_model(cfg.model, nnx.Rngs(t.seed)), nnx.Param, ...)
         optimizer, schedule = make_optimizer(cfg.optim, t.steps)
-        self.params, self.opt, self.rest, self.step = params, optimizer.init(params), rest, 0
-        self.layout = parallel.opt_layout(cfg.parallel.strategy, parallel.make_mesh(jax.local_devices()[:1]))
+        # this process's devices: the replica whole on each, the member's rows split over them (ddp within a member)
+        self.mesh = parallel.make_mesh(jax.local_devices())
+        self.params, self.opt = parallel.replicate((params, optimizer.init(params)), self.mesh)
+        self.rest, self.step = rest, 0
+        self.layout = parallel.opt_layout(cfg.parallel.strategy, self.mesh)
         self.treedef = jax.tree.structure((self.params, self.opt))
         self.size = sum(x.size for x in jax.tree.leaves(params)) + 2  # the gradient, the loss sum, the weight
         self.healed_at: list[int] = []
@@ -154,17 +157,39 @@ class Member:
             return apply_update(optimizer, schedule, step, params, opt, unravel(total[:-2] / weight),
                                 total[-2] / weight, weight)  # fmt: skip
 
-        self.sums, self.update = sums, update
+        @jax.jit
+        def eval_sums(params, batch):  # the loss sum and weight of validation windows
+            return lm_loss(nnx.merge(graphdef, params, rest), batch)
+
+        self.sums, self.update, self.eval_sums = sums, update, eval_sums
 
     def rows(self, n: int, rank: int) -> np.ndarray:
         """This member's rows of global batch `step`: the rank-th of n near-equal parts, in global order."""
         return np.array_split(self.batches.order.indices(self.step), n)[rank]
 
+    def placed(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Rows split over the member's devices, padded with zero-weight rows to a multiple of them (the sums are
+        weighted: padding adds nothing)."""
+        pad = -len(batch["weights"]) % self.mesh.devices.size
+        padded = {k: np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)]) for k, x in batch.items()}
+        return parallel.shard_batch(padded, self.mesh)
+
+    def evaluate(self) -> tuple[float, float]:
+        """The mean loss over every validation window and the tokens it weighs, on this member's replica (every
+        member holds the same parameters): what the trainer's evaluation gives."""
+        loss_sum = weight = 0.0
+        for _, batches in self.data.eval_sets():
+            for batch in batches:
+                loss_k, weight_k = jax.device_get(self.eval_sums(self.params, self.placed(batch)))
+                loss_sum, weight = loss_sum + float(loss_k), weight + float(weight_k)
+        return loss_sum / max(weight, 1.0), weight
+
     def contribution(self, idx: np.ndarray) -> np.ndarray:
-        return np.asarray(self.sums(self.params, windows(self.batches.stream, idx, self.batches.seq_len)))
+        return np.asarray(self.sums(self.params, self.placed(windows(self.batches.stream, idx, self.batches.seq_len))))
 
     def apply(self, total: np.ndarray) -> dict:
-        self.params, self.opt, metrics = self.update(self.step, self.params, self.opt, jnp.asarray(total))
+        total = parallel.replicate(total, self.mesh)
+        self.params, self.opt, metrics = self.update(self.step, self.params, self.opt, total)
         self.step += 1
         return metrics
 
@@ -172,7 +197,7 @@ class Member:
         return {"leaves": [np.asarray(x) for x in jax.tree.leaves((self.params, self.opt))], "step": self.step}
 
     def load_state_dict(self, saved: dict) -> None:
-        self.params, self.opt = jax.tree.unflatten(self.treedef, [jnp.asarray(x) for x in saved["leaves"]])
+        self.params, self.opt = parallel.replicate(jax.tree.unflatten(self.treedef, saved["leaves"]), self.mesh)
         self.step = int(saved["step"])
         self.healed_at.append(self.step)
         log.info(f"joined at step {self.step}: the state copied from a live peer")
@@ -257,6 +282,9 @@ def train(cfg: Config) -> dict:
     if cfg.train.compile_cache:  # a replacement loads the programs its peers compiled, as a restart does
         use_compilation_cache(cache_root(cfg.data) / "xla")
     tf, member = _torchft(), Member(cfg)
+    devices = member.mesh.devices.size
+    log.info(f"live member: {devices} {jax.devices()[0].platform} device{'s' if devices > 1 else ''} "
+             f"(the member's rows of each step split over them)")  # fmt: skip
     if (resumed := member.resume()) is not None:
         log.info(f"resumed from step {resumed} ({cfg.train.run_dir}/checkpoints/{resumed})")
     host = os.environ.get("JDP_LIVE_ADDR") or socket.gethostname()
@@ -295,6 +323,7 @@ def train(cfg: Config) -> dict:
                     store, manager = _manager(tf, member, cfg, host, name)
     finally:
         manager.shutdown(wait=False)
+        run.close()
     np.save(out / f"live-{name}-params.npy", member.flat_params())  # what the tests compare
     return {**last, "failed": run.failed, "healed_at": member.healed_at, "pid": os.getpid()}
 
@@ -321,13 +350,34 @@ def _attempt(tf, manager, member: Member) -> dict | None:
 
 class Run:
     """What a committed step leaves besides the members' own lines: the quorum's first member (one per step) writes
-    its record to metrics.jsonl on train.log_every's cadence, a checkpoint on train.ckpt_every's and, at the last
-    step, summary.json; every member counts non-finite steps in a row against train.max_bad_steps (they all see the
-    same ones)."""
+    its record to metrics.jsonl and the trackers (TensorBoard, W&B: jdp.metrics.MetricsLog) on train.log_every's
+    cadence, evaluates on train.eval_every's (and after the last step), writes a checkpoint on train.ckpt_every's
+    and, at the last step, summary.json; every member counts non-finite steps in a row against train.max_bad_steps
+    (they all see the same ones). A member that stops being the first closes its trackers: one process holds the
+    W&B run at a time."""
 
     def __init__(self, cfg: Config, resumed_from: int | None):
-        self.t, self.dir, self.bad_run, self.writing = cfg.train, RunDir(cfg.train.run_dir), 0, False
+        self.cfg, self.t, self.dir, self.bad_run, self.metrics = cfg, cfg.train, RunDir(cfg.train.run_dir), 0, None
         self.resumed_from, self.started, self.skipped, self.failed = resumed_from, time.time(), 0, []
+        self.eval_every = (self.t.eval_every or self.t.steps) if cfg.data.val_tokens > 0 else 0
+        self.eval_loss: float | None = None  # this member's last evaluation (the writer's at the last step)
+
+    def writer(self, step: int) -> MetricsLog:
+        """This member's MetricsLog, opened when it first writes: records past the step before are a job's before
+        this one (work it lost), moved aside as a restart moves them; TensorBoard drops their steps too."""
+        if self.metrics is None:
+            if moved := supersede(self.dir.metrics, step - 1):
+                log.info(f"{moved} metrics records after step {step - 1} (work lost before this job) moved to "
+                         f"{self.dir.superseded_metrics.name}")  # fmt: skip
+            t = self.t
+            self.metrics = MetricsLog(self.dir.metrics, tensorboard=t.tensorboard, wandb_project=t.wandb_project,
+                                      config=self.cfg.to_dict(), resume_step=step - 1)  # fmt: skip
+        return self.metrics
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
 
     def committed(self, member: Member, line: dict) -> None:
         t, step = self.t, line["step"]
@@ -340,17 +390,17 @@ class Run:
         if due:
             log.info(f"step {step} loss {line['loss']:.4f} members {line['members']}")
         if line["rank"] != 0:
+            self.close()  # another member writes now
             return
-        if not self.writing:  # records past the step before are a job's before this one: work it lost
-            self.writing = True
-            if moved := supersede(self.dir.metrics, step - 1):
-                log.info(f"{moved} metrics records after step {step - 1} (work lost before this job) moved to "
-                         f"{self.dir.superseded_metrics.name}")  # fmt: skip
+        metrics = self.writer(step)
         if due:
             record = {k: line[k] for k in ("step", "loss", "grad_norm", "lr", "skipped") if k in line}
-            with self.dir.metrics.open("a") as f:
-                f.write(json.dumps({**record, "tokens": step * t.batch_size * member.batches.seq_len,
-                                    "members": line["members"]}) + "\n")  # fmt: skip
+            metrics.write({**record, "tokens": step * t.batch_size * member.batches.seq_len, "members": line["members"]})
+        if self.eval_every and (step % self.eval_every == 0 or step == t.steps):
+            loss, tokens = member.evaluate()
+            metrics.write({"step": step, "eval_loss": loss, "eval_tokens": tokens})
+            log.info(f"step {step}: eval_loss {loss:.4f} over {tokens:,.0f} tokens")
+            self.eval_loss = loss
         if (t.ckpt_every and step % t.ckpt_every == 0) or step == t.steps:
             member.save()
         if step == t.steps:
@@ -360,6 +410,7 @@ class Run:
         """summary.json of a live run: the trainer's keys that mean the same here, and the live ones."""
         return {
             "steps": line["step"], "preempted": False, "resumed_from": self.resumed_from, "loss": line["loss"],
+            "eval_loss": self.eval_loss,
             "skipped_total": self.skipped, "wall_s": time.time() - self.started, "live": True,
             "members": line["members"],  # the last step's quorum (PIDs)
             "failed_steps": self.failed,  # the steps the writer saw fail and did again with the survivors

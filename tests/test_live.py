@@ -46,12 +46,14 @@ class Job:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
 
-    def member(self, steps: int, run_dir: Path, *extra: str) -> subprocess.Popen:
+    def member(self, steps: int, run_dir: Path, *extra: str, devices: int = 1) -> subprocess.Popen:
+        """A member process of `devices` CPU devices (its rows split over them)."""
         args = [*TRAIN, "train.live=true", f"train.lighthouse=http://127.0.0.1:{self.port}", f"train.steps={steps}",
                 f"train.live_min={self.min}"]
         log = (self.tmp / f"member{len(self.procs)}-{self.port}.log").open("w")
+        env = {**os.environ, "JDP_LIVE_ADDR": "127.0.0.1", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
         p = subprocess.Popen([sys.executable, "-m", "jdp.cli", *args, f"train.run_dir={run_dir}", *extra],
-                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "JDP_LIVE_ADDR": "127.0.0.1"})  # fmt: skip
+                             stdout=log, stderr=subprocess.STDOUT, env=env)  # fmt: skip
         self.procs.append(p)
         return p
 
@@ -121,19 +123,34 @@ def params(run_dir: Path, pid: int) -> np.ndarray:
     return np.load(next(run_dir.glob(f"live-*_{pid}-params.npy")))
 
 
-def test_one_member_trains_as_a_plain_run(tmp_path):
-    """A live run of one member takes the plain run's steps: the same losses step by step."""
+def test_one_member_trains_as_a_plain_run(tmp_path, monkeypatch):
+    """A live run of one member takes the plain run's steps: the same losses step by step, and the same evaluation
+    after the last (train.eval_every's cadence and the end, as the trainer's); its records reach W&B (offline). The
+    member has 3 devices (the plain run 4): its 16 rows a step split over them, padded to 18 with zero-weight rows."""
     steps = 8
     plain = subprocess.run([sys.executable, "-m", "jdp.cli", *TRAIN, f"train.steps={steps}",
                             f"train.run_dir={tmp_path / 'plain'}"], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert plain.returncode == 0, plain.stderr[-3000:]
+    monkeypatch.setenv("WANDB_MODE", "offline")  # no network: W&B writes its run file locally
+    monkeypatch.setenv("WANDB_SILENT", "true")
     with Job(tmp_path) as job:
-        p = job.member(steps, tmp_path / "live")
+        p = job.member(steps, tmp_path / "live", "train.wandb_project=jdp-live", devices=3)
         assert p.wait(timeout=300) == 0, next(tmp_path.glob("member0-*.log")).read_text()[-3000:]
     live = lines(tmp_path / "live", p.pid)
     want = [m["loss"] for m in read_metrics(tmp_path / "plain" / "metrics.jsonl") if "loss" in m and m.get("step", 0) >= 1][:steps]
     assert [m["step"] for m in live] == list(range(1, steps + 1))
     np.testing.assert_allclose([m["loss"] for m in live], want, rtol=2e-5)
+    evals = [[(r["step"], r["eval_loss"], r["eval_tokens"]) for r in read_metrics(d / "metrics.jsonl") if "eval_loss" in r]
+             for d in (tmp_path / "plain", tmp_path / "live")]  # fmt: skip
+    assert [e[::2] for e in evals[1]] == [e[::2] for e in evals[0]] and [e[0] for e in evals[0]] == [steps]
+    np.testing.assert_allclose(evals[1][0][1], evals[0][0][1], rtol=2e-6)
+    assert "live member: 3 cpu devices" in next(tmp_path.glob("member0-*.log")).read_text()
+    assert json.loads((tmp_path / "live" / "summary.json").read_text())["eval_loss"] == evals[1][0][1]
+    (wandb,) = (tmp_path / "live" / "wandb").glob("offline-run-*/run-*.wandb")
+    deadline = time.monotonic() + 20  # wandb-core (a process of its own) may still be writing the file
+    while not all(tag in wandb.read_bytes() for tag in (b"train/loss", b"eval/loss")):
+        assert time.monotonic() < deadline, "the live run's records never reached W&B"
+        time.sleep(0.2)
 
 
 def test_killed_members_cost_a_step_and_a_joiner_copies_a_peer(tmp_path):
@@ -191,8 +208,9 @@ def test_a_whole_job_restart_resumes_from_the_live_checkpoints_bit_for_bit(tmp_p
     """Two members write checkpoints on train.ckpt_every's cadence (the quorum's first member, in the trainer's
     format). Both SIGKILLed, the job started again resumes from the newest and ends with the parameters of a run
     never stopped, bit for bit; every row of the steps after the checkpoint once. A plain `jdp train` goes on
-    from the live run's last checkpoint (a whole-job restart need not be live)."""
-    steps, keys = 16, ["train.ckpt_every=6"]
+    from the live run's last checkpoint (a whole-job restart need not be live). metrics.jsonl and TensorBoard hold
+    every step once and the evaluations on train.eval_every's cadence, the killed job's lost steps gone from both."""
+    steps, keys = 16, ["train.ckpt_every=6", "train.eval_every=4"]
     with Job(tmp_path, min_members=2) as job:
         ref = [job.member(steps, tmp_path / "ref", *keys) for _ in range(2)]
         assert [p.wait(timeout=300) for p in ref] == [0, 0]
@@ -229,6 +247,17 @@ def test_a_whole_job_restart_resumes_from_the_live_checkpoints_bit_for_bit(tmp_p
     assert all(r["members"] == sorted(p.pid for p in again) for r in records if 6 < r["step"] <= 16)
     moved = [r["step"] for r in read_metrics(run / "metrics.superseded.jsonl")]
     assert moved and min(moved) == 7
+    evals = {r["step"]: r["eval_loss"] for r in read_metrics(run / "metrics.jsonl") if "eval_loss" in r}
+    assert sorted(evals) == [4, 8, 12, 16, 18]  # the evaluation at 8 the second job's:
+    assert 8 in [r["step"] for r in read_metrics(run / "metrics.superseded.jsonl") if "eval_loss" in r]  # the lost one
+    assert evals[16] == [r["eval_loss"] for r in read_metrics(tmp_path / "ref" / "metrics.jsonl") if r["step"] == 16
+                         and "eval_loss" in r][0] == summary["eval_loss"]  # fmt: skip
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(run / "tensorboard"))
+    tb.Reload()
+    assert [e.step for e in tb.Scalars("train/loss")] == list(range(1, 19))  # the writers' files, lost steps purged
+    assert [e.step for e in tb.Scalars("eval/loss")] == [4, 8, 12, 16, 18]
 
 
 def test_jdp_launch_live_replaces_a_killed_member_and_the_others_go_on(tmp_path):

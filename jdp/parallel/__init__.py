@@ -20,7 +20,7 @@ import importlib.util
 
 _EXPORTS = {
     **dict.fromkeys(
-        ("AXIS", "Batch", "batch_sharding", "make_mesh", "process_rows", "replicated", "shard_batch"),
+        ("AXIS", "Batch", "batch_sharding", "make_mesh", "process_rows", "replicate", "replicated", "shard_batch"),
         "jdp.parallel.mesh",
     ),
     **dict.fromkeys(
