@@ -26,10 +26,9 @@ PROMPT = "def main():\n    "
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    """A tiny run trained on all 4 simulated devices, so its checkpoints come from a 4-device mesh."""
-    path = tmp_path_factory.mktemp("gen") / "run"
-    train(load_config("tiny", [*TINY, f"train.run_dir={path}"]))
+def run_dir(made_once):
+    """A tiny run trained on all 4 simulated devices, so its checkpoints come from a 4-device mesh (one worker's)."""
+    path = made_once("generate-run", lambda d: train(load_config("tiny", [*TINY, f"train.run_dir={d / 'run'}"]))) / "run"
     assert json.loads((path / "summary.json").read_text())["devices"] == 4
     return path
 

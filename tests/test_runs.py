@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,16 +21,20 @@ SMALL = [
 
 
 @pytest.fixture(scope="module")
-def resumed_run(tmp_path_factory):
+def resumed_run(made_once):
     """12 steps; then the checkpoint at 12 is lost (as if the job died before writing it) and the run is
-    resumed from step 6 and extended to 18 steps: steps 7-12 are redone, 13-18 are new."""
-    run_dir = tmp_path_factory.mktemp("runs") / "a"
-    cfg = load_config("tiny", [*SMALL, "train.steps=12", f"train.run_dir={run_dir}"])
-    train(cfg)
-    first = read_metrics(run_dir / "metrics.jsonl")
-    shutil.rmtree(run_dir / "checkpoints" / "12")
-    train(load_config("tiny", [*SMALL, "train.steps=18", f"train.run_dir={run_dir}"]))
-    return run_dir, first
+    resumed from step 6 and extended to 18 steps: steps 7-12 are redone, 13-18 are new. (One worker's; the first
+    attempt's records kept beside the run.)"""
+
+    def make(d: Path) -> None:
+        run_dir = d / "a"
+        train(load_config("tiny", [*SMALL, "train.steps=12", f"train.run_dir={run_dir}"]))
+        shutil.copy(run_dir / "metrics.jsonl", d / "first-metrics.jsonl")
+        shutil.rmtree(run_dir / "checkpoints" / "12")
+        train(load_config("tiny", [*SMALL, "train.steps=18", f"train.run_dir={run_dir}"]))
+
+    d = made_once("resumed-run", make)
+    return d / "a", read_metrics(d / "first-metrics.jsonl")
 
 
 def _scalars(run_dir, tag):
