@@ -267,35 +267,29 @@ def test_diloco_across_a_slow_lossy_link_restarts_and_trains_as_one_host(env, tm
 
 def test_elastic_diloco_goes_on_with_the_groups_it_has(env, tmp_path):
     """parallel.sync=diloco (a group per host, H=4) under --nnodes 1:2: host 1 lost for good after the checkpoint at
-    step 5 (mid-round), host 0 re-forms the job alone, a group of its own, from the round's parameters; host 1 comes
-    back and when a worker fails at step 15 the job takes both hosts again, 2 groups from the checkpoint at 15. Every
-    step is trained, both changes of groups are logged, the groups sync to the end."""
-    import inject
-
+    step 5 (mid-round), host 0 re-forms the job alone, a group of its own, from the round's parameters, logged, and
+    trains every step to the end, the group syncing on its cadence. (Taking a host back is
+    test_elastic_membership_goes_on_without_a_lost_host_and_takes_it_back_at_the_next_restart's; more groups from a
+    checkpoint of fewer, test_diloco.py::test_a_checkpoint_of_other_groups_continues_from_the_round's.)"""
     d = tmp_path / "run"
-    faults, override = inject.register(env, JDP_TEST_KILL_ONCE=f"15:1:{tmp_path / 'killed'}")
-    elastic = ["--nnodes", "1:2", "--rdzv-dir", str(tmp_path / "rdzv"), "--rdzv-timeout", "3", "--max-restarts", "2"]
-    log0, again = tmp_path / "run-host0.log", tmp_path / "again-host1.log"
+    elastic = ["--nnodes", "1:2", "--rdzv-dir", str(tmp_path / "rdzv"), "--rdzv-timeout", "3", "--max-restarts", "1"]
+    log0 = tmp_path / "run-host0.log"
     with Hosts(2) as hosts:
-        first = [launch(hosts, i, d, [*STEPS, *DILOCO, override], env=faults,
-                        launcher=[*elastic, "--node-rank", str(i)]) for i in range(2)]  # fmt: skip
+        first = [launch(hosts, i, d, [*STEPS, *DILOCO], env=env, launcher=[*elastic, "--node-rank", str(i)])
+                 for i in range(2)]  # fmt: skip
         started(d, after_checkpoint=True)
         hosts.kill(1)
-        wait_for(log0, "rendezvous round 1: 1 of 1-2 nodes")
-        back = launch(hosts, 1, d, [*STEPS, *DILOCO, override], env=faults, log=again,
-                      launcher=[*elastic, "--node-rank", "1"])  # fmt: skip
-        codes = wait_all([first[0], back], 400)
-        logs = [log0.read_text(), again.read_text()]
-    assert codes == [0, 0], "\n\n".join(log[-3000:] for log in logs)
-    assert "rendezvous round 2: 2 of 1-2 nodes" in logs[0] and (tmp_path / "killed").exists()
+        codes = wait_all([first[0]], 400)
+        log = log0.read_text()
+    assert codes == [0], log[-3000:]
+    assert "rendezvous round 1: 1 of 1-2 nodes" in log
     assert re.search(r"saved with parallel.sync=diloco and 2 groups: 1 groups now: every group starts from the "
-                     r"round's parameters", logs[0])  # fmt: skip
-    assert re.search(r"saved with parallel.sync=diloco and 1 groups: 2 groups now", logs[0])
+                     r"round's parameters", log)  # fmt: skip
     mine = read_metrics(d / "metrics.jsonl")
     assert sorted({r["step"] for r in mine if "loss" in r}) == list(range(1, 21))
     assert [r["step"] for r in mine if "outer_grad_norm" in r][-2:] == [16, 20]
     end = summary(d)
-    assert end["steps"] == 20 and end["resumed_from"] == 15
+    assert end["steps"] == 20 and end["resumed_from"] in (5, 10)
     loss = {r["step"]: r["loss"] for r in mine if "loss" in r}
     assert np.isfinite(end["eval_loss"]) and loss[20] < loss[1]
 
