@@ -9,8 +9,11 @@ alternating in rounds, so the machine's background load hits both sides alike:
                     metrics fetch: what `jdp train` does per step) against a minimal hand-written single-device
                     jitted step of the same model, optimizer and batch. Tokens/s ratio; ideal 1.0.
   jdp_vs_torch_ddp  tokens/s of `jdp launch` + `jdp train` against PyTorch DDP (scripts/bench_torch.py)
-                    training the identical GPT with the same global batch and the same number of processes
-                    (gloo on CPU, NCCL on GPUs).
+                    training the identical GPT (or Llama) with the same global batch and the same number of
+                    processes (gloo on CPU, NCCL on GPUs).
+  jdp_vs_torch_compile  (--only torch_compile) the same against a plain PyTorch loop under torch.compile, on 1
+                    process and on 2 (DDP), with eager PyTorch beside it; the ratio written is 1 process's.
+  matmul_peak       (--only peak) the best float32 matmul rate of XLA, numpy's BLAS and torch on this CPU.
   ddp_vs_dp         step time of parallel.strategy=dp over that of ddp, at 1, 2, 4 and 8 devices (> 1: DDP is
                     faster). On a CPU the devices are simulated and share the same cores.
   zero1_vs_ddp      step time of parallel.strategy=zero1 over that of ddp (< 1: zero1 is faster), on 4 devices of
@@ -296,9 +299,9 @@ def jdp_launch_tps(config: str, overrides: list[str], processes: int, steps: int
     return statistics.median(tps[1:] if len(tps) > 2 else tps)  # past the first interval (warm-up)
 
 
-def torch_ddp_tps(config: str, processes: int, batch: int, steps: int, dtype: str) -> float:
+def torch_ddp_tps(config: str, processes: int, batch: int, steps: int, dtype: str, *extra: str) -> float:
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_torch.py"), "--config", config, "--nproc", str(processes)]
-    cmd += ["--global-batch", str(batch), "--steps", str(steps), "--dtype", dtype]
+    cmd += ["--global-batch", str(batch), "--steps", str(steps), "--dtype", dtype, *extra]
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     line = next((x for x in result.stdout.splitlines() if x.startswith("BENCH_JSON ")), None)
     if line is None:
@@ -354,6 +357,10 @@ def main() -> int:
         results["remat"] = child("remat", 0 if gpu else 1, args)
     if "torch" in a.only and not a.skip_torch:
         jdp_vs_torch(a, gpu, out, results)
+    if "torch_compile" in a.only and not a.skip_torch:
+        jdp_vs_torch_compile(a, gpu, out, results)
+    if "peak" in a.only:
+        results["matmul_peak"] = matmul_peak()
     results["wall_s"] = time.time() - started
     (out / "bench.json").write_text(json.dumps(results, indent=1))
     print(table(results))
@@ -361,7 +368,7 @@ def main() -> int:
     return 0
 
 
-SECTIONS = ["single", "ddp_dp", "zero1", "fsdp", "powersgd", "remat", "torch"]
+SECTIONS = ["single", "ddp_dp", "zero1", "fsdp", "powersgd", "remat", "torch", "torch_compile", "peak"]
 
 
 def single_device(a, gpu: bool, results: dict) -> None:
@@ -439,6 +446,61 @@ def jdp_vs_torch(a, gpu: bool, out: Path, results: dict) -> None:
         torch_runs.append(torch_ddp_tps(a.config, processes, cfg.train.batch_size, steps, cfg.model.dtype))
     results["jdp_vs_torch_ddp"] = statistics.median(jdp_runs) / statistics.median(torch_runs)
     results["torch_ddp"] = {"processes": processes, "jdp_tokens_per_s": jdp_runs, "torch_tokens_per_s": torch_runs}
+
+
+def jdp_vs_torch_compile(a, gpu: bool, out: Path, results: dict) -> None:
+    """jdp against a plain PyTorch loop under torch.compile (and eager, for reference) on the same model (the
+    config's GPT or Llama rebuilt in torch), global batch and optimizer: on 1 process, then 2 (DDP; jdp launch),
+    each round timing every side in turn."""
+    from jdp.config import load_config
+
+    cfg = load_config(a.config, a.overrides)
+    steps, layouts = max(20, 4 * a.steps), {}
+    for processes in (1, 2) if not gpu else (1, _gpu_count()):
+        runs: dict[str, list[float]] = {"jdp": [], "torch_compile": [], "torch_eager": []}
+        for r in range(max(2, a.rounds - 1)):
+            print(f"[bench] jdp vs torch.compile, {processes} process(es), round {r + 1}", flush=True)
+            runs["jdp"].append(jdp_launch_tps(a.config, a.overrides, processes, steps, out, gpu))
+            for side, extra in (("torch_compile", ["--compile"]), ("torch_eager", [])):
+                runs[side].append(torch_ddp_tps(a.config, processes, cfg.train.batch_size, steps, cfg.model.dtype,
+                                                *extra))  # fmt: skip
+        med = {k: statistics.median(v) for k, v in runs.items()}
+        layouts[str(processes)] = {"tokens_per_s": runs, "jdp_vs_torch_compile": med["jdp"] / med["torch_compile"],
+                                   "jdp_vs_torch_eager": med["jdp"] / med["torch_eager"],
+                                   "ms_per_step": {k: cfg.train.batch_size * cfg.data.seq_len / v * 1e3
+                                                   for k, v in med.items()}}  # fmt: skip
+    results["jdp_vs_torch_compile"] = layouts["1"]["jdp_vs_torch_compile"]
+    results["torch_compile"] = layouts
+
+
+def matmul_peak(n: int = 2048, seconds: float = 2.0) -> dict:
+    """The best float32 matmul rate (FLOP/s) each library reaches on this machine's CPU, n x n, every core: XLA
+    (what jdp's MFU divides by), numpy's BLAS and torch's (oneDNN/MKL) where installed. The best is the peak MFU
+    should be stated against."""
+    import numpy as np
+
+    def rate(run) -> float:
+        run()
+        reps, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            run()
+            reps += 1
+        return 2.0 * n**3 * reps / (time.perf_counter() - start)
+
+    x = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    found = {"numpy": rate(lambda: x @ x)}
+    try:
+        import torch
+
+        t = torch.from_numpy(x)
+        found["torch"] = rate(lambda: t @ t)
+    except ImportError:
+        pass
+    import jax
+
+    f, j = jax.jit(lambda a: a @ a), jax.device_put(x, jax.devices("cpu")[0])
+    found["xla"] = rate(lambda: f(j).block_until_ready())
+    return {"n": n, "flops": found, "best": max(found, key=found.get)}
 
 
 def host(config: str, overrides: list[str]) -> dict:
@@ -538,6 +600,16 @@ def table(r: dict) -> str:
                 f"{t['processes']} processes: jdp {j:,.0f}, torch {p:,.0f} tokens/s",
             )
         )
+    for processes, t in r.get("torch_compile", {}).items():
+        ms = t["ms_per_step"]
+        rows.append((f"jdp_vs_torch_compile ({processes} proc)", f"{t['jdp_vs_torch_compile']:.3f}",
+                     f"ms/step: jdp {ms['jdp']:.0f}, torch.compile {ms['torch_compile']:.0f}, eager "
+                     f"{ms['torch_eager']:.0f} (jdp_vs_torch_eager {t['jdp_vs_torch_eager']:.3f})"))  # fmt: skip
+    if "matmul_peak" in r:
+        m = r["matmul_peak"]
+        rows.append(("matmul_peak", f"{m['flops'][m['best']] / 1e9:,.0f}",
+                     f"GFLOP/s float32 {m['n']}^2, best of " + ", ".join(f"{k} {v / 1e9:,.0f}" for k, v in
+                                                                          m["flops"].items())))  # fmt: skip
     width = max(len(k) for k, _, _ in rows)
     lines = [f"{k:<{width}}  {v:>9}  {note}" for k, v, note in rows]
     return "\n".join([f"host: {describe_host(r['host'])}", *lines])

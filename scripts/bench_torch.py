@@ -1,10 +1,12 @@
-"""The PyTorch DDP side of jdp's benchmark (`jdp_vs_torch_ddp`): one worker that trains jdp's GPT with torch.
+"""The PyTorch side of jdp's benchmark (`jdp_vs_torch_ddp`, `jdp_vs_torch_compile`): trains jdp's GPT or Llama
+with torch, eager or `--compile`d.
 
     python scripts/bench_torch.py --config tiny --nproc 2 --global-batch 32 --steps 10
     torchrun --nproc-per-node 8 scripts/bench_torch.py --config gpt2-small --global-batch 64 --dtype bfloat16
 
 The model is jdp/models/gpt.py's GPT rebuilt in torch, layer for layer and parameter for parameter (pre-norm blocks,
-bias-free projections, tanh GELU, tied float32 logits), trained with AdamW + global-norm clipping like jdp's
+bias-free projections, tanh GELU, tied float32 logits), or jdp/models/llama.py's Llama (`--arch llama`, the
+config's model.arch), trained with AdamW + global-norm clipping like jdp's
 step, under DistributedDataParallel (gloo on CPU, nccl on GPUs). Data is random tokens made before the clock
 starts, so only the training step is timed. Rank 0 prints one line: `BENCH_JSON {...}` with tokens/s.
 Run under torchrun (its environment variables) or with `--nproc N`, which spawns N local processes itself.
@@ -30,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 MODEL_DIMS = ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio")
 DEFAULTS = dict(vocab_size=320, max_seq_len=128, d_model=128, n_layers=4, n_heads=4, mlp_ratio=4)
-DEFAULTS.update(seq_len=None, global_batch=32, dtype="float32", lr=1e-3)
+DEFAULTS.update(seq_len=None, global_batch=32, dtype="float32", lr=1e-3, arch="gpt", n_kv_heads=0, d_ff=0)
 
 
 class Block(nn.Module):
@@ -72,11 +74,67 @@ class GPT(nn.Module):
         return (self.norm(x) @ self.embed.weight.T).float()
 
 
+class Llama(nn.Module):
+    """jdp/models/llama.py in torch: RMSNorm (float32), rotary positions (theta 10000), grouped-query attention
+    through SDPA, SwiGLU of width d_ff, an untied output projection; the same parameter count."""
+
+    def __init__(self, vocab_size, max_seq_len, d_model, n_layers, n_heads, n_kv_heads, d_ff):
+        super().__init__()
+        self.H, self.G, self.K = n_heads, n_kv_heads, d_model // n_heads
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(dict(
+                norm1=nn.RMSNorm(d_model, eps=1e-5), norm2=nn.RMSNorm(d_model, eps=1e-5),
+                q=nn.Linear(d_model, n_heads * self.K, bias=False), k=nn.Linear(d_model, n_kv_heads * self.K, bias=False),
+                v=nn.Linear(d_model, n_kv_heads * self.K, bias=False), o=nn.Linear(n_heads * self.K, d_model, bias=False),
+                gate=nn.Linear(d_model, d_ff, bias=False), up=nn.Linear(d_model, d_ff, bias=False),
+                down=nn.Linear(d_ff, d_model, bias=False),
+            )) for _ in range(n_layers)
+        )  # fmt: skip
+        self.norm, self.head = nn.RMSNorm(d_model, eps=1e-5), nn.Linear(d_model, vocab_size, bias=False)
+        inv = 1.0 / 10000.0 ** (torch.arange(0, self.K, 2, dtype=torch.float32) / self.K)
+        angles = torch.arange(max_seq_len, dtype=torch.float32)[:, None] * inv
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+        for p in self.parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+
+    def rope(self, x: torch.Tensor) -> torch.Tensor:  # x: B, heads, L, K; pairs (i, i + K/2), as jdp and HF rotate
+        L, half = x.shape[2], x.shape[-1] // 2
+        cos, sin, a, b = self.cos[:L], self.sin[:L], x[..., :half], x[..., half:]
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        B, L = tokens.shape
+        x = self.embed(tokens)
+        for blk in self.blocks:
+            h = blk["norm1"](x)
+            q = self.rope(blk["q"](h).view(B, L, self.H, self.K).transpose(1, 2))
+            k = self.rope(blk["k"](h).view(B, L, self.G, self.K).transpose(1, 2))
+            v = blk["v"](h).view(B, L, self.G, self.K).transpose(1, 2)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.G != self.H)
+            x = x + blk["o"](y.transpose(1, 2).reshape(B, L, self.H * self.K))
+            h = blk["norm2"](x)
+            x = x + blk["down"](F.silu(blk["gate"](h)) * blk["up"](h))
+        return self.head(self.norm(x)).float()
+
+
+def build(args: argparse.Namespace) -> nn.Module:
+    if args.arch == "llama":
+        d_ff = args.d_ff or -(-8 * args.d_model // (3 * 64)) * 64  # jdp's (and Llama's) default width
+        return Llama(args.vocab_size, args.max_seq_len, args.d_model, args.n_layers, args.n_heads,
+                     args.n_kv_heads or args.n_heads, d_ff)  # fmt: skip
+    return GPT(*(getattr(args, k) for k in MODEL_DIMS))
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", help="take model dims from configs/NAME.yaml (explicit flags win)")
-    for name in MODEL_DIMS + ("seq_len",):
+    for name in MODEL_DIMS + ("seq_len", "n_kv_heads", "d_ff"):
         p.add_argument("--" + name.replace("_", "-"), type=int)
+    p.add_argument("--arch", choices=["gpt", "llama"], help="the model (default: the config's model.arch)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (DDP's graph breaks per bucket)")
     p.add_argument("--global-batch", type=int, help="sequences per step over all processes")
     p.add_argument("--dtype", choices=["float32", "bfloat16"])
     p.add_argument("--lr", type=float)
@@ -94,7 +152,7 @@ def parse_args() -> argparse.Namespace:
         )
         raw = yaml.safe_load(path.read_text())
         m = raw.get("model", {})
-        cfg = {k: m[k] for k in MODEL_DIMS if k in m}
+        cfg = {k: m[k] for k in (*MODEL_DIMS, "n_kv_heads", "d_ff", "arch") if k in m}
         cfg.update(seq_len=raw.get("data", {}).get("seq_len"), dtype=m.get("dtype"), lr=raw.get("optim", {}).get("lr"))
     for key, default in DEFAULTS.items():
         if getattr(args, key) is None:
@@ -115,14 +173,16 @@ def worker(rank: int, world: int, local_rank: int, args: argparse.Namespace) -> 
     local_batch, n_steps = args.global_batch // world, args.warmup + args.steps
 
     torch.manual_seed(0)  # identical initial weights everywhere (DDP also broadcasts rank 0's)
-    model = GPT(*(getattr(args, k) for k in MODEL_DIMS)).to(device)
+    model = build(args).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     # jdp's decay mask: weight decay on matrices only, never on the embeddings or norms.
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-    ddp = DDP(model, device_ids=[local_rank] if cuda else None)
+    ddp = DDP(model, device_ids=[local_rank] if cuda else None) if world > 1 else model  # one: the plain loop
+    if args.compile:
+        ddp = torch.compile(ddp)
 
     gen = torch.Generator().manual_seed(1234 + rank)
     tokens = torch.randint(0, args.vocab_size, (n_steps, local_batch, args.seq_len + 1), generator=gen).to(device)
@@ -162,6 +222,8 @@ def worker(rank: int, world: int, local_rank: int, args: argparse.Namespace) -> 
             params=n_params,
             world=world,
             threads=threads,
+            arch=args.arch,
+            compiled=args.compile,
             loss_first=ends[0],
             loss_last=ends[1],
         )
