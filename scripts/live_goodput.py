@@ -4,7 +4,9 @@ membership (`jdp launch --live`, torchft), the same model, batch and steps, one 
     python scripts/live_goodput.py --every 20 --steps 3000
 
 Both run 4 processes on this machine (loopback). Goodput = the steps' own time (steps x the median step of a run
-without failures) over the wall-clock time; lost per failure = (wall - that) / failures. Needs torchft
+without failures) over the wall-clock time, and past the start: over the wall less what a run without failures
+spends besides its steps (starting, compiling: paid once, whatever fails later); lost per failure = (wall - that -
+the steps' own time) / failures. Needs torchft
 (`pip install 'jdp[live]'`). Prints a table and writes live_goodput.json; every process it starts is ended.
 """
 
@@ -23,8 +25,17 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = ["model.n_layers=2", "model.d_model=64", "model.max_seq_len=64", "data.seq_len=64", "train.batch_size=16"]
-TRAIN = ["train", "configs/tiny.yaml", *MODEL, "train.progress=false", "train.log_every=1", "train.eval_every=0"]
+SEQ = {"small": 64, "medium": 128}  # --size: small, a ~29 ms step here; medium, ~330 ms (llama-tiny's widths)
+MODELS = {"small": ["model.n_layers=2", "model.d_model=64"], "medium": ["model.n_layers=4", "model.d_model=256"]}
+TRAIN = ["train", "configs/tiny.yaml", "train.batch_size=16", "train.progress=false", "train.log_every=1",
+         "train.eval_every=0"]  # fmt: skip
+
+
+def use_size(size: str) -> None:
+    """The model and window of --size, for every run this script starts."""
+    global TRAIN
+    seq = SEQ[size]
+    TRAIN = [*TRAIN, *MODELS[size], f"model.max_seq_len={seq}", f"data.seq_len={seq}"]
 N = 4  # processes
 
 
@@ -95,15 +106,17 @@ def _members(launcher: int) -> list[int]:
         return []
 
 
-def step_time(tmp: Path, steps: int) -> float:
-    """The median step of 4 processes without failures (jdp launch; the steps' own time)."""
-    run = tmp / "clean"
+def step_time(tmp: Path, steps: int) -> tuple[float, float]:
+    """The median step of 4 processes without failures (jdp launch; the steps' own time), and the run's seconds
+    besides its steps (the processes' start, compiling, the end): what any run pays once."""
+    run, start = tmp / "clean", time.time()
     subprocess.run([sys.executable, "-m", "jdp.cli", "launch", "--nproc-per-node", str(N), "--", *TRAIN,
                     f"train.steps={steps}", "train.ckpt_every=0", f"train.run_dir={run}"], cwd=ROOT, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    tokens = 16 * 64  # train.batch_size x data.seq_len
-    return float(np.median([tokens / x["tokens_per_sec"] for x in lines if x.get("tokens_per_sec")][5:]))
+    tokens = 16 * int(TRAIN[-1].split("=")[1])  # train.batch_size x data.seq_len
+    step = float(np.median([tokens / x["tokens_per_sec"] for x in lines if x.get("tokens_per_sec")][5:]))
+    return step, time.time() - start - steps * step
 
 
 def main() -> None:
@@ -113,29 +126,35 @@ def main() -> None:
     ap.add_argument("--ckpt-every", type=int, default=200, help="the restart path's checkpoint cadence, in steps")
     ap.add_argument("--only", choices=("restart", "live"), help="run one path")
     ap.add_argument("--live-timeout", type=float, default=10.0, help="the live path's train.live_timeout_s")
+    ap.add_argument("--size", choices=tuple(SEQ), default="small", help="the model (small: a step of ~29 ms here)")
     ap.add_argument("--out", default="live_goodput.json")
     ap.add_argument("--keep", help="a directory to keep the runs in (default: a temporary one, removed)")
     a = ap.parse_args()
+    use_size(a.size)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(a.keep or d)
         tmp.mkdir(parents=True, exist_ok=True)
-        step = step_time(tmp, 200)
+        step, once = step_time(tmp, 200)
         paths = {"restart": lambda: restart_path(tmp, a.steps, a.every, a.ckpt_every),
                  "live": lambda: live_path(tmp, a.steps, a.every, a.live_timeout)}  # fmt: skip
         rows = {name: run() for name, run in paths.items() if a.only in (None, name)}
     useful = a.steps * step
     print(f"{a.steps} steps of {step * 1e3:.1f} ms ({useful:.1f} s of steps), a worker SIGKILLed every {a.every:g} s")
-    print(f"{'path':<8} {'wall s':>8} {'failures':>9} {'lost/failure s':>15} {'goodput':>8}")
+    print(f"a run without failures spends {once:.1f} s besides its steps (the start, compiling): 'past the start' "
+          f"leaves it out, as a long run amortises it")  # fmt: skip
+    print(f"{'path':<8} {'wall s':>8} {'failures':>9} {'lost/failure s':>15} {'goodput':>8} {'past the start':>15}")
     for name, r in rows.items():
-        r["goodput"] = useful / r["wall_s"]
-        r["lost_per_failure_s"] = (r["wall_s"] - useful) / max(r["failures"], 1)
-        print(f"{name:<8} {r['wall_s']:>8.1f} {r['failures']:>9} {r['lost_per_failure_s']:>15.2f} {r['goodput']:>8.1%}")
+        r["goodput"], r["goodput_past_start"] = useful / r["wall_s"], useful / (r["wall_s"] - once)
+        r["lost_per_failure_s"] = (r["wall_s"] - once - useful) / max(r["failures"], 1)
+        print(f"{name:<8} {r['wall_s']:>8.1f} {r['failures']:>9} {r['lost_per_failure_s']:>15.2f} {r['goodput']:>8.1%}"
+              f" {r['goodput_past_start']:>15.1%}")  # fmt: skip
         if "median_step_s" in r:  # the live step itself is slower (torchft's quorum and commit RPCs, host copies)
             own = a.steps * r["median_step_s"]
-            r["own_goodput"], r["own_lost_per_failure_s"] = own / r["wall_s"], (r["wall_s"] - own) / max(r["failures"], 1)
+            r["own_goodput"] = own / (r["wall_s"] - once)
+            r["own_lost_per_failure_s"] = (r["wall_s"] - once - own) / max(r["failures"], 1)
             print(f"  live against its own failure-free step ({r['median_step_s'] * 1e3:.1f} ms): "
-                  f"{r['own_lost_per_failure_s']:.2f} s lost per failure, goodput {r['own_goodput']:.1%}")
-    Path(a.out).write_text(json.dumps({"steps": a.steps, "every_s": a.every, "step_s": step, **rows}, indent=1))
+                  f"{r['own_lost_per_failure_s']:.2f} s lost per failure, goodput past the start {r['own_goodput']:.1%}")
+    Path(a.out).write_text(json.dumps({"steps": a.steps, "every_s": a.every, "size": a.size, "step_s": step, "once_s": once, **rows}, indent=1))
 
 
 if __name__ == "__main__":
