@@ -31,12 +31,14 @@ TRAIN = ["train", "configs/tiny.yaml", "train.batch_size=16", "train.progress=fa
          "train.eval_every=0"]  # fmt: skip
 
 
+N = 4  # processes
+TOKENS = 16 * SEQ["small"]  # a step's tokens: train.batch_size x data.seq_len
+
+
 def use_size(size: str) -> None:
     """The model and window of --size, for every run this script starts."""
-    global TRAIN
-    seq = SEQ[size]
-    TRAIN = [*TRAIN, *MODELS[size], f"model.max_seq_len={seq}", f"data.seq_len={seq}"]
-N = 4  # processes
+    global TRAIN, TOKENS
+    TRAIN, TOKENS = [*TRAIN, *MODELS[size], f"model.max_seq_len={SEQ[size]}", f"data.seq_len={SEQ[size]}"], 16 * SEQ[size]
 
 
 def children(pid: int) -> list[int]:
@@ -114,8 +116,7 @@ def step_time(tmp: Path, steps: int) -> tuple[float, float]:
                     f"train.steps={steps}", "train.ckpt_every=0", f"train.run_dir={run}"], cwd=ROOT, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    tokens = 16 * int(TRAIN[-1].split("=")[1])  # train.batch_size x data.seq_len
-    step = float(np.median([tokens / x["tokens_per_sec"] for x in lines if x.get("tokens_per_sec")][5:]))
+    step = float(np.median([TOKENS / x["tokens_per_sec"] for x in lines if x.get("tokens_per_sec")][5:]))
     return step, time.time() - start - steps * step
 
 
@@ -154,7 +155,8 @@ def main() -> None:
             r["own_lost_per_failure_s"] = (r["wall_s"] - once - own) / max(r["failures"], 1)
             print(f"  live against its own failure-free step ({r['median_step_s'] * 1e3:.1f} ms): "
                   f"{r['own_lost_per_failure_s']:.2f} s lost per failure, goodput past the start {r['own_goodput']:.1%}")
-    Path(a.out).write_text(json.dumps({"steps": a.steps, "every_s": a.every, "size": a.size, "step_s": step, "once_s": once, **rows}, indent=1))
+    record = {"steps": a.steps, "every_s": a.every, "size": a.size, "step_s": step, "once_s": once, **rows}
+    Path(a.out).write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":
