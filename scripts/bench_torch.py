@@ -128,7 +128,35 @@ def build(args: argparse.Namespace) -> nn.Module:
     return GPT(*(getattr(args, k) for k in MODEL_DIMS))
 
 
-def parse_args() -> argparse.Namespace:
+def make_step(model: nn.Module, ddp: nn.Module, tokens: torch.Tensor, args: argparse.Namespace):
+    """step(i): one training step on tokens[i] (forward through `ddp`, the model as wrapped), AdamW as jdp's."""
+    # jdp's decay mask: weight decay on matrices only, never on the embeddings or norms.
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    autocast = torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
+    phase = torch.profiler.record_function  # the phases, named for scripts/profile_step.py's split
+
+    def step(i: int) -> torch.Tensor:
+        with phase("forward"):
+            with autocast:
+                logits = ddp(tokens[i, :, :-1])
+            # Every token weighs 1 and every rank holds as many, so the local mean + DDP's gradient average is the
+            # global token-weighted mean.
+            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), tokens[i, :, 1:].reshape(-1))
+        with phase("backward"):
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+        with phase("update"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        return loss.detach()
+
+    return step
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", help="take model dims from configs/NAME.yaml (explicit flags win)")
     for name in MODEL_DIMS + ("seq_len", "n_kv_heads", "d_ff"):
@@ -142,7 +170,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--threads", type=int, help="torch threads per process (default: cpu_count // world)")
     p.add_argument("--nproc", type=int, default=1, help="spawn this many local processes (without torchrun)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     cfg = {}
     if args.config:
         path = (
@@ -175,30 +203,12 @@ def worker(rank: int, world: int, local_rank: int, args: argparse.Namespace) -> 
     torch.manual_seed(0)  # identical initial weights everywhere (DDP also broadcasts rank 0's)
     model = build(args).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    # jdp's decay mask: weight decay on matrices only, never on the embeddings or norms.
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
-    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     ddp = DDP(model, device_ids=[local_rank] if cuda else None) if world > 1 else model  # one: the plain loop
     if args.compile:
         ddp = torch.compile(ddp)
-
     gen = torch.Generator().manual_seed(1234 + rank)
     tokens = torch.randint(0, args.vocab_size, (n_steps, local_batch, args.seq_len + 1), generator=gen).to(device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
-
-    def step(i: int) -> torch.Tensor:
-        with autocast:
-            logits = ddp(tokens[i, :, :-1])
-        # Every token weighs 1 and every rank holds as many, so the local mean + DDP's gradient average is the
-        # global token-weighted mean.
-        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), tokens[i, :, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        return loss.detach()
+    step = make_step(model, ddp, tokens, args)
 
     def sync() -> None:
         if cuda:

@@ -92,10 +92,10 @@ def block_matmul_params(m: ModelConfig) -> int:
 
 def block_activation_bytes(m: ModelConfig, tokens: int, itemsize: int) -> int:
     """In the compute dtype: the residual stream and the norm outputs (4 ND), q (NHK), k and v (2 NGK), q and k
-    after RoPE (NHK + NGK), the attention output (NHK), SwiGLU's gate, up, silu(gate) and their product (4 NF); in
-    float32, one 1/rms per norm."""
+    after RoPE (NHK + NGK), the attention output (NHK), SwiGLU's gate, up and silu(gate) * up (3 NF: silu is
+    recomputed); in float32, one 1/rms per norm."""
     N, D, H, G, K, F = tokens, m.d_model, m.n_heads, m.kv_heads, m.head_width, ff_width(m)
-    return (4 * N * D + 3 * N * H * K + 3 * N * G * K + 4 * N * F) * itemsize + 2 * N * 4
+    return (4 * N * D + 3 * N * H * K + 3 * N * G * K + 3 * N * F) * itemsize + 2 * N * 4
 
 
 def block_projection_bytes(m: ModelConfig, tokens: int, itemsize: int) -> int:
@@ -159,10 +159,13 @@ def rope_tables(m: ModelConfig, L: int, dtype, positions_BxL: jax.Array | None =
 
 def rope(x_BxLxHxK: jax.Array, cos_LxK: jax.Array, sin_LxK: jax.Array) -> jax.Array:
     """Rotate dimension i with dimension i + K/2 of every head (transformers' rotate_half convention, so Hugging
-    Face's q_proj and k_proj import without a permutation)."""
-    K = x_BxLxHxK.shape[-1]
-    rotated = jnp.concatenate([-x_BxLxHxK[..., K // 2 :], x_BxLxHxK[..., : K // 2]], axis=-1)
-    return x_BxLxHxK * cos_LxK[..., None, :] + rotated * sin_LxK[..., None, :]  # LxK, or BxLxK per sequence
+    Face's q_proj and k_proj import without a permutation). The halves are swapped by a flip, the sign folded into
+    sin: the same numbers as rotate_half's slices and concatenation, whose gradient XLA made a pad of each half
+    and a sum (with _swiglu's recomputation, 3% off a llama-tiny step on a CPU: docs/performance.md)."""
+    *lead, K = x_BxLxHxK.shape
+    swapped = jnp.flip(x_BxLxHxK.reshape(*lead, 2, K // 2), -2).reshape(x_BxLxHxK.shape)
+    signed = jnp.concatenate([-sin_LxK[..., : K // 2], sin_LxK[..., K // 2 :]], axis=-1)
+    return x_BxLxHxK * cos_LxK[..., None, :] + swapped * signed[..., None, :]  # LxK, or BxLxK per sequence
 
 
 class Attention(nnx.Module):
@@ -186,6 +189,14 @@ class Attention(nnx.Module):
         return self.o(y_BxLxHxK.reshape(B * L, self.H * self.K))
 
 
+@jax.checkpoint
+def _swiglu(gate_NxF: jax.Array, up_NxF: jax.Array) -> jax.Array:
+    """silu(gate) * up, its sigmoid recomputed in the backward pass from gate and up (kept anyway, the projections'
+    outputs), as torch.compile's partitioner does: the forward is one elementwise pass, not three (XLA keeps each
+    intermediate the backward reads, each a pass over NxF). The same numbers either way."""
+    return jax.nn.silu(gate_NxF) * up_NxF
+
+
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
@@ -196,7 +207,7 @@ class MLP(nnx.Module):
         self.down = _linear(cfg, F, D, 0.02 / math.sqrt(2 * cfg.n_layers), rngs)
 
     def __call__(self, x_NxD: jax.Array) -> jax.Array:
-        return self.down(jax.nn.silu(self.gate(x_NxD)) * self.up(x_NxD))
+        return self.down(_swiglu(self.gate(x_NxD), self.up(x_NxD)))
 
 
 class Block(nnx.Module):
