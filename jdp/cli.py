@@ -80,13 +80,13 @@ def _train(args: argparse.Namespace) -> int:
     from jdp.job.world import WorldError, resolve_world
     from jdp.job.xla import keep_scratch_memory
 
+    keep_scratch_memory()  # main() did, before any thread started; here for a caller of _train alone
     watch_launcher()  # a worker of `jdp launch` never outlives it
     config, overrides = split_config_args(args.args)
     cfg = load_config(config, overrides)
     from jdp.parallel import strategies
 
     strategies.get(cfg.parallel.strategy).set_xla_flags(cfg.parallel.bucket_mb)  # before JAX touches a device
-    keep_scratch_memory()
     try:
         world = resolve_world(args.coordinator, args.num_processes, args.process_id, args.local_device_ids)
     except WorldError as e:
@@ -336,6 +336,13 @@ def main(argv: list[str] | None = None) -> int:
     # Ctrl-C from the first line (importing JAX, joining the job) until `jdp train`'s loop takes the signals over, or
     # the command ends: one line and exit 130, never dropped (job/process.py). `jdp launch` handles its own.
     name = args.command_name
+    if name == "train":
+        # Before any thread starts (the interrupt watch below, the launcher's watch): a thread that has called
+        # malloc has an arena of its own, which XLA's workers can then take and which returns memory to the OS
+        # every step (~100k page faults a step, 20% slower, on llama-tiny under `jdp launch`: docs/performance.md).
+        from jdp.job.xla import keep_scratch_memory
+
+        keep_scratch_memory()
     own = name == "launch" or threading.current_thread() is not threading.main_thread()
     phase = "starting" if name == "train" else f"running jdp {name}"  # the trainer names its phases from here on
     interrupts = contextlib.nullcontext() if own else StartupInterrupts(lambda: phase, check_on_exit=False)

@@ -11,6 +11,7 @@ import inject
 import psutil
 import pytest
 
+from jdp.job.xla import SCRATCH_LATE
 from jdp.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -45,6 +46,7 @@ def run_layout(tmp_path, env, nproc, devices_each):
     else:
         out = jdp(["launch", "--nproc-per-node", str(nproc), "--devices-per-proc", str(devices_each), "--", *args], env)
     assert out.returncode == 0, out.stderr[-4000:]
+    assert SCRATCH_LATE not in out.stdout + out.stderr  # malloc set before any thread: no page faults every step
     if nproc > 1:
         assert "[rank 0] jdp | process 0 of" in out.stdout  # every line carries its rank
         assert "jdp | model" not in out.stdout.replace("[rank 0] jdp | model", "")  # one voice: rank 0 only

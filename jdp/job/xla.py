@@ -9,7 +9,7 @@ from pathlib import Path
 
 from jdp.log import logger
 
-__all__ = ["collective_flags", "keep_scratch_memory", "set_xla_flags", "use_compilation_cache"]
+__all__ = ["SCRATCH_LATE", "collective_flags", "keep_scratch_memory", "set_xla_flags", "use_compilation_cache"]
 
 log = logger("jdp.xla")
 
@@ -73,6 +73,8 @@ def use_compilation_cache(directory: str | Path) -> str:
     return str(directory)
 
 
+SCRATCH_LATE = "malloc's settings for the scratch memory come after jdp's threads started"
+_kept = False  # keep_scratch_memory has changed malloc in this process
 _GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")
 
 
@@ -86,7 +88,8 @@ def keep_scratch_memory(environ: dict | None = None) -> bool:
     is that freed host memory goes back to the OS only at exit. Call it before JAX first touches a device
     (`jdp train` does). It does nothing where the C library is not glibc, where a GPU plugin is installed and
     JAX_PLATFORMS does not say cpu (temporaries live on the GPU there), or where the user set malloc options of
-    their own (MALLOC_*, GLIBC_TUNABLES).
+    their own (MALLOC_*, GLIBC_TUNABLES). Call it before any thread starts (`jdp train` calls it first); after one
+    of jdp's own it warns. A second call does nothing (False).
     """
     import ctypes
     import importlib.util
@@ -100,6 +103,18 @@ def keep_scratch_memory(environ: dict | None = None) -> bool:
     cpu_only = environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu"
     if not cpu_only and any(importlib.util.find_spec(name) for name in _GPU_PLUGINS):
         return False
+    global _kept
+    if _kept:
+        return False
+    import threading
+
+    if ours := sorted(t.name for t in threading.enumerate() if t.name.startswith("jdp-")):
+        log.warning(
+            f"{SCRATCH_LATE} ({', '.join(ours)}): a thread that has called malloc has an arena of its own, which "
+            f"XLA's workers can take, and the scratch memory may then be faulted in again every step (20% slower "
+            f"on llama-tiny). Call jdp.job.xla.keep_scratch_memory() before starting threads"
+        )
     mallopt = ctypes.CDLL(None).mallopt
     M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # <malloc.h>
-    return bool(mallopt(M_ARENA_MAX, 1) & mallopt(M_MMAP_MAX, 0) & mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+    _kept = bool(mallopt(M_ARENA_MAX, 1) & mallopt(M_MMAP_MAX, 0) & mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+    return _kept
