@@ -14,6 +14,9 @@ alternating in rounds, so the machine's background load hits both sides alike:
   jdp_vs_torch_compile  (--only torch_compile) the same against a plain PyTorch loop under torch.compile, on 1
                     process and on 2 (DDP), with eager PyTorch beside it; the ratio written is 1 process's.
   matmul_peak       (--only peak) the best float32 matmul rate of XLA, numpy's BLAS and torch on this CPU.
+  jdp_vs_maxtext    (--only maxtext) jdp against MaxText's own trainer (`pip install maxtext`, its CPU path on
+                    synthetic data, no remat, no scan) on the config's Llama shape, one process, alternated;
+                    `--maxtext-python` names the Python that has it (default: this one).
   ddp_vs_dp         step time of parallel.strategy=dp over that of ddp, at 1, 2, 4 and 8 devices (> 1: DDP is
                     faster). On a CPU the devices are simulated and share the same cores.
   zero1_vs_ddp      step time of parallel.strategy=zero1 over that of ddp (< 1: zero1 is faster), on 4 devices of
@@ -36,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -324,6 +328,7 @@ def main() -> int:
     ap.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8], help="device counts for ddp_vs_dp")
     ap.add_argument("--skip-torch", action="store_true", help="no PyTorch comparison (torch not installed)")
     ap.add_argument("--only", nargs="+", choices=SECTIONS, default=SECTIONS, help="measure only these")
+    ap.add_argument("--maxtext-python", help="the Python with maxtext installed (default: this one)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="section.key=value for the config")
     a = ap.parse_args()
@@ -359,6 +364,8 @@ def main() -> int:
         jdp_vs_torch(a, gpu, out, results)
     if "torch_compile" in a.only and not a.skip_torch:
         jdp_vs_torch_compile(a, gpu, out, results)
+    if "maxtext" in a.only:
+        jdp_vs_maxtext(a, gpu, out, results)
     if "peak" in a.only:
         results["matmul_peak"] = matmul_peak()
     results["wall_s"] = time.time() - started
@@ -368,7 +375,7 @@ def main() -> int:
     return 0
 
 
-SECTIONS = ["single", "ddp_dp", "zero1", "fsdp", "powersgd", "remat", "torch", "torch_compile", "peak"]
+SECTIONS = ["single", "ddp_dp", "zero1", "fsdp", "powersgd", "remat", "torch", "torch_compile", "maxtext", "peak"]
 
 
 def single_device(a, gpu: bool, results: dict) -> None:
@@ -471,6 +478,60 @@ def jdp_vs_torch_compile(a, gpu: bool, out: Path, results: dict) -> None:
                                                    for k, v in med.items()}}  # fmt: skip
     results["jdp_vs_torch_compile"] = layouts["1"]["jdp_vs_torch_compile"]
     results["torch_compile"] = layouts
+
+
+def maxtext_command(python: str, cfg, steps: int, out: Path) -> list[str]:
+    """MaxText's pre-training entry point on the config's Llama (float32, no remat, no scan, plain dot-product
+    attention, synthetic data, AdamW as jdp's), one device."""
+    from jdp.models import llama
+
+    m, o, t = cfg.model, cfg.optim, cfg.train
+    if m.arch != "llama":
+        raise ValueError(f"--only maxtext compares a Llama (model.arch=llama); {cfg.model.arch!r} has no MaxText twin here")
+    where = "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('maxtext').origin).parent)"
+    found = subprocess.run([python, "-c", where], capture_output=True, text=True)
+    if found.returncode:
+        raise RuntimeError(f"{python} has no maxtext (pip install maxtext): {found.stderr[-500:]}")
+    base = Path(found.stdout.strip()) / "configs" / "base.yml"
+    return [python, "-m", "maxtext.trainers.pre_train.train", str(base), "run_name=jdp-bench",
+            f"base_output_directory={out / 'maxtext'}", "hardware=cpu", "skip_jax_distributed_system=true",
+            "dataset_type=synthetic", f"steps={steps}", "enable_checkpointing=false", "decoder_block=llama2",
+            f"base_emb_dim={m.d_model}", f"base_num_query_heads={m.n_heads}", f"base_num_kv_heads={m.kv_heads}",
+            f"base_mlp_dim={llama.ff_width(m)}", f"base_num_decoder_layers={m.n_layers}",
+            f"head_dim={m.head_width}", f"vocab_size={m.vocab_size}", f"max_target_length={cfg.data.seq_len}",
+            f"per_device_batch_size={t.batch_size}", f"dtype={m.dtype}", f"weight_dtype={m.dtype}",
+            "scan_layers=false", "remat_policy=none", "attention=dot_product", "enable_dropout=false",
+            f"logits_via_embedding={str(m.tie_embeddings).lower()}", "opt_type=adamw", f"learning_rate={o.lr}",
+            "adam_b1=0.9", "adam_b2=0.95", f"adam_weight_decay={o.weight_decay}", "gradient_clipping_threshold=1.0",
+            "enable_goodput_recording=false", "monitor_goodput=false", "enable_tensorboard=false",
+            "packing=false"]  # fmt: skip
+
+
+def maxtext_step_s(cmd: list[str]) -> float:
+    """Median seconds per step MaxText logs (`completed step: N, seconds: S`), past its first 3 steps."""
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    times = [float(x) for x in re.findall(r"completed step: \d+, seconds: ([\d.]+)", result.stdout + result.stderr)]
+    if result.returncode or len(times) < 5:
+        raise RuntimeError(f"MaxText failed (exit {result.returncode}):\n{(result.stdout + result.stderr)[-3000:]}")
+    return statistics.median(times[3:])
+
+
+def jdp_vs_maxtext(a, gpu: bool, out: Path, results: dict) -> None:
+    """jdp (`jdp launch` + `jdp train`, one process) against MaxText's trainer on the same Llama, alternated."""
+    from jdp.config import load_config
+
+    cfg = load_config(a.config, a.overrides)
+    steps = max(20, 4 * a.steps)
+    cmd = maxtext_command(a.maxtext_python or sys.executable, cfg, steps, out)
+    tokens = cfg.train.batch_size * cfg.data.seq_len
+    runs: dict[str, list[float]] = {"jdp": [], "maxtext": []}
+    for r in range(max(2, a.rounds - 1)):
+        print(f"[bench] jdp vs MaxText, 1 process, round {r + 1}", flush=True)
+        runs["jdp"].append(tokens / jdp_launch_tps(a.config, a.overrides, 1, steps, out, gpu) * 1e3)
+        runs["maxtext"].append(maxtext_step_s(cmd) * 1e3)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    results["jdp_vs_maxtext"] = med["maxtext"] / med["jdp"]
+    results["maxtext"] = {"ms_per_step": runs, "command": cmd}
 
 
 def matmul_peak(n: int = 2048, seconds: float = 2.0) -> dict:
@@ -604,6 +665,10 @@ def table(r: dict) -> str:
         rows.append((f"jdp_vs_torch_compile ({processes} proc)", f"{t['jdp_vs_torch_compile']:.3f}",
                      f"ms/step: jdp {ms['jdp']:.0f}, torch.compile {ms['torch_compile']:.0f}, eager "
                      f"{ms['torch_eager']:.0f} (jdp_vs_torch_eager {t['jdp_vs_torch_eager']:.3f})"))  # fmt: skip
+    if "maxtext" in r:
+        ms = {k: statistics.median(v) for k, v in r["maxtext"]["ms_per_step"].items()}
+        rows.append(("jdp_vs_maxtext", f"{r['jdp_vs_maxtext']:.3f}",
+                     f"1 process, ms/step: jdp {ms['jdp']:.0f}, MaxText {ms['maxtext']:.0f}"))  # fmt: skip
     if "matmul_peak" in r:
         m = r["matmul_peak"]
         rows.append(("matmul_peak", f"{m['flops'][m['best']] / 1e9:,.0f}",
