@@ -66,7 +66,7 @@ def hlo_kinds(text: str) -> dict[str, tuple[str, str, str]]:
         name, opcode = m.groups()
         calls = re.search(r"calls=%?([\w.-]+)", line)
         body = bodies.get(calls.group(1), "") if calls else ""
-        op_name = (re.search(r'op_name="([^"]*)"', line) or re.search("()", "")).group(1)
+        op_name = found.group(1) if (found := re.search(r'op_name="([^"]*)"', line)) else ""
         dot = opcode == "dot" or " dot(" in body or "onednn" in line and "matmul" in line.lower()
         library = ("YNNPACK" if "__ynn" in line else "oneDNN" if "onednn" in line.lower() else "Eigen") if dot else ""
         phase = "backward" if "transpose(jvp" in op_name else "forward" if "jvp(" in op_name else "update"
@@ -81,25 +81,11 @@ def hlo_kinds(text: str) -> dict[str, tuple[str, str, str]]:
 
 
 def profile_jdp(args: argparse.Namespace, out: Path) -> dict:
-    from jdp.config import load_config
-    from jdp.job import xla
-    from jdp.parallel import strategies
+    from step_time import compiled_step  # this script's neighbour: the step as `jdp train` builds it
 
-    cfg = load_config(args.config, ["train.run_dir=/dev/null"])
-    strategies.get(cfg.parallel.strategy).set_xla_flags(cfg.parallel.bucket_mb)
-    xla.keep_scratch_memory()  # as `jdp train` runs
+    step, state, batch, _ = compiled_step(args.config, [])
     import jax
-    import numpy as np
 
-    from jdp import parallel
-    from jdp.build import build
-
-    mesh = parallel.make_mesh()
-    _, state, step, *_ = build(cfg, mesh)
-    rng = np.random.default_rng(0)
-    shape = (cfg.train.batch_size, cfg.data.seq_len)
-    local = {k: rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32) for k in ("inputs", "targets")}
-    batch = parallel.shard_batch({**local, "weights": np.ones(shape, np.float32)}, mesh, cfg.train.batch_size)
     hlo = step.lower(state, batch).compile().as_text()
     (out / "jdp-step.hlo.txt").write_text(hlo)  # the thunks' names are its instructions'
     kinds = hlo_kinds(hlo)

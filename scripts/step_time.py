@@ -17,19 +17,15 @@ from jdp.config import load_config, split_config_args
 from jdp.job import xla
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("args", nargs="*", metavar="[CONFIG] [section.key=value ...]")
-    ap.add_argument("--steps", type=int, default=10)
-    a = ap.parse_args()
-    config, overrides = split_config_args(a.args)
+def compiled_step(config: str | None, overrides: list[str]):
+    """jdp's train step for a config as `jdp train` builds it (its XLA options, its malloc settings), its state and
+    one batch of random tokens on this process's devices: (step, state, batch, cfg)."""
     cfg = load_config(config, ["train.run_dir=/dev/null", *overrides])
     from jdp.parallel import strategies
 
     strategies.get(cfg.parallel.strategy).set_xla_flags(cfg.parallel.bucket_mb)
     xla.keep_scratch_memory()
 
-    import jax
     import numpy as np
 
     from jdp import parallel
@@ -44,7 +40,18 @@ def main() -> None:
         "targets": rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32),
         "weights": np.ones(shape, np.float32),
     }
-    batch = parallel.shard_batch(local, mesh, cfg.train.batch_size)
+    return step, state, parallel.shard_batch(local, mesh, cfg.train.batch_size), cfg
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("args", nargs="*", metavar="[CONFIG] [section.key=value ...]")
+    ap.add_argument("--steps", type=int, default=10)
+    a = ap.parse_args()
+    step, state, batch, cfg = compiled_step(*split_config_args(a.args))
+    import jax
+
+    shape = (cfg.train.batch_size, cfg.data.seq_len)
     for _ in range(3):  # compile and warm up
         state, metrics = step(state, batch)
     jax.block_until_ready(metrics)
