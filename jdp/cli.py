@@ -78,9 +78,7 @@ def _train(args: argparse.Namespace) -> int:
     from jdp.job.join import JoinError
     from jdp.job.process import watch_launcher
     from jdp.job.world import WorldError, resolve_world
-    from jdp.job.xla import keep_scratch_memory
 
-    keep_scratch_memory()  # main() did, before any thread started; here for a caller of _train alone
     watch_launcher()  # a worker of `jdp launch` never outlives it
     config, overrides = split_config_args(args.args)
     cfg = load_config(config, overrides)

@@ -30,7 +30,6 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("forward", "backward", "update")
 KINDS = ("matmul", "attention", "layout", "other")
 
@@ -127,8 +126,7 @@ LAYOUT = ("aten::copy_", "aten::clone", "aten::contiguous", "aten::transpose", "
 
 
 def profile_torch(args: argparse.Namespace, out: Path) -> dict:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench_torch
+    import bench_torch  # this script's neighbour, as step_time is
     import torch
 
     targs = bench_torch.parse_args(["--config", args.config, "--compile"])
