@@ -24,6 +24,8 @@ so the survivors cannot reach the agreement (docs/live.md has the commands and t
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import json
 import logging
 import os
@@ -42,6 +44,7 @@ from jax.flatten_util import ravel_pytree
 
 from jdp import parallel
 from jdp.checkpoint import (
+    RESUMABLE_CHANGES,
     Checkpoints,
     check_data,
     check_param_shapes,
@@ -96,6 +99,21 @@ def problems(cfg: Config) -> list[str]:
     return out
 
 
+# Keys members may set each their own way: what a resume may change, less train.steps (the learning-rate schedule's
+# length), and the live keys (where the Lighthouse is, the quorum's size and timeout).
+PER_MEMBER = (RESUMABLE_CHANGES - {"train.steps"}) | {"train.lighthouse", "train.live_min", "train.live_timeout_s"}
+
+
+def config_tag(cfg: Config, fingerprint: dict | None) -> int:
+    """24 bits of what every member must share (the config less PER_MEMBER's keys, the data's fingerprint): members
+    start from their own copy of the seed's initialisation, and each applies the quorum's summed gradient with its
+    own optimizer, so two that differ would go apart without a word. Exact in float32, it rides in the all-reduce."""
+    shared = {f"{section}.{k}": v for section, values in cfg.to_dict().items() for k, v in values.items()
+              if f"{section}.{k}" not in PER_MEMBER}  # fmt: skip
+    text = json.dumps([shared, fingerprint], sort_keys=True, default=str)
+    return int(hashlib.sha256(text.encode()).hexdigest()[:6], 16) or 1
+
+
 def _torchft():
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at info
     logging.getLogger("torchft.manager").addFilter(lambda r: "flight recorder" not in r.getMessage())  # NCCL's, no GPU
@@ -131,6 +149,7 @@ class Member:
         self.data = load_data(cfg.data, cfg.model.vocab_size, t.batch_size, t.seed)
         self.batches: Batches = self.data.train
         self.fingerprint = self.data.fingerprint()  # what the data is: each checkpoint keeps it, a resume compares
+        self.tag = config_tag(cfg, self.fingerprint)
         graphdef, params, rest = nnx.split(make_model(cfg.model, nnx.Rngs(t.seed)), nnx.Param, ...)
         optimizer, schedule = make_optimizer(cfg.optim, t.steps)
         # this process's devices: the replica whole on each, the member's rows split over them (ddp within a member)
@@ -144,14 +163,14 @@ class Member:
         unravel = ravel_pytree(params)[1]
 
         @jax.jit
-        def sums(params, batch):  # this member's gradient sum, loss sum and weight, as one flat vector
+        def sums(params, batch, ids):  # this member's gradient sum, loss sum and weight, and the quorum's PID slots
             def loss(p):
                 return lm_loss(nnx.merge(graphdef, p, rest), batch)
 
             (loss_sum, weight), grads = jax.value_and_grad(loss, has_aux=True)(params)
-            return jnp.concatenate([ravel_pytree(grads)[0], jnp.stack([loss_sum, weight])])
+            return jnp.concatenate([ravel_pytree(grads)[0], jnp.stack([loss_sum, weight]), ids])
 
-        @jax.jit
+        @functools.partial(jax.jit, donate_argnums=(1, 2))
         def update(step, params, opt, total):  # total: the members' summed vectors
             weight = total[-1]
             return apply_update(optimizer, schedule, step, params, opt, unravel(total[:-2] / weight),
@@ -184,17 +203,23 @@ class Member:
                 loss_sum, weight = loss_sum + float(loss_k), weight + float(weight_k)
         return loss_sum / max(weight, 1.0), weight
 
-    def contribution(self, idx: np.ndarray) -> np.ndarray:
-        return np.asarray(self.sums(self.params, self.placed(windows(self.batches.stream, idx, self.batches.seq_len))))
+    def contribution(self, n: int, rank: int) -> np.ndarray:
+        """What this member adds to the step's all-reduce as the rank-th of n: its rows' gradient sum, loss sum and
+        weight, then n PID slots and n config-tag slots, its PID and tag in its rank's (a host copy the all-reduce
+        may write into)."""
+        batch = self.placed(windows(self.batches.stream, self.rows(n, rank), self.batches.seq_len))
+        ids = np.zeros(2 * n, np.float32)
+        ids[rank], ids[n + rank] = os.getpid(), self.tag  # exact in float32 (both < 2**24)
+        return np.array(self.sums(self.params, batch, ids))
 
     def apply(self, total: np.ndarray) -> dict:
-        total = parallel.replicate(total, self.mesh)
+        total = parallel.replicate(total[: self.size], self.mesh)
         self.params, self.opt, metrics = self.update(self.step, self.params, self.opt, total)
         self.step += 1
         return metrics
 
-    def state_dict(self) -> dict:
-        return {"leaves": [np.asarray(x) for x in jax.tree.leaves((self.params, self.opt))], "step": self.step}
+    def state_dict(self) -> dict:  # copies: the update donates the arrays, and a joiner may read these while it runs
+        return {"leaves": [np.array(x) for x in jax.tree.leaves((self.params, self.opt))], "step": self.step}
 
     def load_state_dict(self, saved: dict) -> None:
         self.params, self.opt = parallel.replicate(jax.tree.unflatten(self.treedef, saved["leaves"]), self.mesh)
@@ -261,7 +286,7 @@ def _manager(tf, member: Member, cfg: Config, host: str, name: str):
     timeout = timedelta(seconds=t.live_timeout_s)
     manager = tf.Manager(
         pg=tf.Gloo(timeout=timeout), load_state_dict=member.load_state_dict, state_dict=member.state_dict,
-        min_replica_size=t.live_min, use_async_quorum=False, timeout=timeout,
+        min_replica_size=t.live_min, use_async_quorum=True, init_sync=False, timeout=timeout,
         quorum_timeout=timedelta(seconds=max(30.0, 3 * t.live_timeout_s)), store_addr=host, store_port=store.port,
         rank=0, world_size=1, lighthouse_addr=t.lighthouse or None, replica_id=name, hostname=host,
         heartbeat_interval=timedelta(milliseconds=100), checkpoint_transport=tf.Transport(host, timeout),
@@ -294,6 +319,7 @@ def train(cfg: Config) -> dict:
     (store, manager), last = _manager(tf, member, cfg, host, name), {}  # store: kept while it serves
     run = Run(cfg, resumed)
     committed_at, failures = time.time(), 0  # the last step committed; attempts failed in a row since
+    guess: tuple[int, int | None] = (1, None)  # the last quorum's (members, this member's rank)
     try:
         with (out / f"live-{name}.jsonl").open("a") as f:
             while member.step < member.steps:
@@ -301,8 +327,8 @@ def train(cfg: Config) -> dict:
                     raise RunError(f"no step committed for train.step_timeout_s={cfg.train.step_timeout_s} s "
                                    f"({failures} attempts failed): no quorum of train.live_min={cfg.train.live_min}")  # fmt: skip
                 try:
-                    manager.start_quorum()  # waits for the quorum; a joiner loads a peer's state here
-                    line = _attempt(tf, manager, member)
+                    manager.start_quorum()  # asks for the quorum in the background
+                    line, guess = _attempt(tf, manager, member, guess)
                 except TimeoutError as e:  # cut off (a partition): ask again as a new incarnation
                     log.warning(f"no quorum in time ({e}); asking again")
                     manager.shutdown(wait=False)
@@ -328,24 +354,40 @@ def train(cfg: Config) -> dict:
     return {**last, "failed": run.failed, "healed_at": member.healed_at, "pid": os.getpid()}
 
 
-def _attempt(tf, manager, member: Member) -> dict | None:
-    """One try at the next step over the quorum: its metrics line, or None when a member failed (nothing applied)."""
-    n, rank = manager.num_participants(), manager.participating_rank()
-    idx, ids = (member.rows(n, rank) if rank is not None else np.zeros(0, int)), np.zeros(n, np.float32)
-    if rank is not None:
-        total = member.contribution(idx)
-        ids[rank] = os.getpid()  # the members' PIDs ride along in the same all-reduce (exact in float32)
+def _attempt(tf, manager, member: Member, guess: tuple[int, int | None]) -> tuple[dict | None, tuple]:
+    """One try at the next step over the quorum: its metrics line, or None when a member failed (nothing applied),
+    and this quorum's (members, rank). torchft forms the quorum in the background (start_quorum returns at once):
+    meanwhile this member computes its part as the last quorum split the step (`guess`), and computes it again only
+    when the quorum changed. A member behind the others has no rank: it adds nothing, copies a peer's state when it
+    votes on the commit, and applies the step's update with the others."""
+    early = member.contribution(*guess) if guess[1] is not None else None  # while the quorum forms
+    n = manager.num_participants()  # waits for the quorum
+    rank = manager.participating_rank() if manager.is_participating() else None
+    rows = [int(i) for i in member.rows(n, rank)] if rank is not None else []
+    if rank is None:
+        total = np.zeros(member.size + 2 * n, np.float32)
     else:
-        total = np.zeros(member.size, np.float32)
-    vec = tf.torch.from_numpy(np.concatenate([total, ids]).astype(np.float32))
+        total = early if (n, rank) == guess else member.contribution(n, rank)
+    vec = tf.torch.from_numpy(total)
     manager.allreduce(vec, reduce_op=tf.ReduceOp.SUM).wait()
+    by_rank = [int(x) for x in total[member.size : member.size + n]]  # each participant's PID in its rank's slot
+    tags = [int(x) for x in total[member.size + n :]]
+    if 0 in by_rank:  # a rank nobody trained: its rows would be lost, so no one commits
+        manager.report_error(RuntimeError(f"step {member.step + 1}: ranks {by_rank} of the quorum, one not trained"))
+    elif odd := {pid: tag for pid, tag in zip(by_rank, tags, strict=True) if tag != member.tag}:
+        manager.report_error(RuntimeError("members with another config"))
+        manager.should_commit()  # the others learn it from the same vector, and stop too
+        raise ConfigError(
+            f"live members with another config or data than this one (PID {os.getpid()}, config tag {member.tag}) "
+            f"in the quorum of step {member.step + 1}, PID: tag {odd}. Every member needs the same config and data: "
+            f"every key but those a resume may change (train.run_dir, train.log_every, ...) and the live keys"
+        )  # fmt: skip
     if not manager.should_commit():
-        return None
-    summed = vec.numpy()
-    metrics = {k: float(v) for k, v in member.apply(summed[: member.size]).items()}
-    by_rank = [int(x) for x in summed[member.size :]]  # each member's PID in its rank's slot
-    return {"step": member.step, **metrics, "members": sorted(by_rank), "by_rank": by_rank, "rank": rank,
-            "rows": [int(i) for i in idx]}  # fmt: skip
+        return None, (n, rank)
+    metrics = {k: float(v) for k, v in member.apply(total).items()}
+    line = {"step": member.step, **metrics, "members": sorted(by_rank), "by_rank": by_rank, "rank": rank,
+            "rows": rows}
+    return line, (n, rank)
 
 
 class Run:
