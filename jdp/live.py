@@ -1,7 +1,8 @@
 """Live membership (`train.live=true`): a process that dies costs the step it broke, not a restart.
 
 Every process is one torchft replica group (its local devices run the step). Each step torchft's Lighthouse forms
-a quorum of the live processes; the gradient sums are all-reduced over that quorum only, and the update is applied
+a quorum of the live processes (in the background, while each computes its part as the last quorum split the
+step); the gradient sums are all-reduced over that quorum only, and the update is applied
 only when every member's all-reduce succeeded (torchft's `Manager.should_commit`): a member lost mid-step makes the
 survivors do that step again, in the same processes, without it. A process that starts (or comes back) joins at a
 step boundary and copies the live state (parameters, optimizer state, step) from a peer over torchft's HTTP
@@ -369,10 +370,12 @@ def _attempt(tf, manager, member: Member, guess: tuple[int, int | None]) -> tupl
     else:
         total = early if (n, rank) == guess else member.contribution(n, rank)
     vec = tf.torch.from_numpy(total)
-    manager.allreduce(vec, reduce_op=tf.ReduceOp.SUM).wait()
+    summed = manager.allreduce(vec, reduce_op=tf.ReduceOp.SUM).wait()  # False, or errored(): it failed
     by_rank = [int(x) for x in total[member.size : member.size + n]]  # each participant's PID in its rank's slot
     tags = [int(x) for x in total[member.size + n :]]
-    if 0 in by_rank:  # a rank nobody trained: its rows would be lost, so no one commits
+    if not summed or manager.errored() is not None:
+        pass  # what a failed all-reduce leaves is not a sum: no one commits, the step is done again
+    elif 0 in by_rank:  # a rank nobody trained: its rows would be lost, so no one commits
         manager.report_error(RuntimeError(f"step {member.step + 1}: ranks {by_rank} of the quorum, one not trained"))
     elif odd := {pid: tag for pid, tag in zip(by_rank, tags, strict=True) if tag != member.tag}:
         manager.report_error(RuntimeError("members with another config"))
