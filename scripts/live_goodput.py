@@ -3,7 +3,9 @@ membership (`jdp launch --live`, torchft), the same model, batch and steps, one 
 
     python scripts/live_goodput.py --every 20 --steps 3000
 
-Both run 4 processes on this machine (loopback). Goodput = the steps' own time (steps x the median step of a run
+Both run 4 processes on this machine (loopback); `--hosts` runs the live path on 4 hosts instead (network
+namespaces, tests/hosts.py: root only), one process each, and every `--every` s kills a whole host (its launcher and
+member; hosts 1 to 3 in turn, host 0 holding the Lighthouse) and starts its launcher again, as a replaced node. Goodput = the steps' own time (steps x the median step of a run
 without failures) over the wall-clock time, and past the start: over the wall less what a run without failures
 spends besides its steps (starting, compiling: paid once, whatever fails later); lost per failure = (wall - that -
 the steps' own time) / failures. Needs torchft
@@ -98,6 +100,44 @@ def live_path(tmp: Path, steps: int, every: float, timeout: float) -> dict:
             "median_step_s": float(np.median(step_s)), "steps_s": sum(step_s)}  # fmt: skip
 
 
+def live_on_hosts(tmp: Path, steps: int, every: float, timeout: float) -> dict:
+    """The live path with each process a host of its own (tests/hosts.py's namespaces): `jdp launch --live` on each,
+    node 0's launcher holding the Lighthouse; every `every` s one of hosts 1-3 is killed whole and its launcher
+    started again, whose new member joins with a peer's state. Every process and namespace it made is removed."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from hosts import Hosts, unavailable
+
+    if why := unavailable():
+        raise SystemExit(f"--hosts needs network namespaces: {why}")
+    run, env = tmp / "live-hosts", {**os.environ, "GLOO_SOCKET_IFNAME": "eth0"}
+    with Hosts(N) as hosts:
+
+        def launch(i: int, log: str):
+            return hosts.run(i, [sys.executable, "-m", "jdp.cli", "launch", "--live", "--nnodes", str(N),
+                                 "--nproc-per-node", "1", "--min-members", "3", "--node-rank", str(i), "--coordinator",
+                                 f"{hosts.addresses[0]}:29510", "--max-restarts", "1000", "--", *TRAIN,
+                                 f"train.steps={steps}", f"train.run_dir={run}", f"train.live_timeout_s={timeout}"],
+                             log=tmp / log, env=env)  # fmt: skip
+
+        start, failures = time.time(), 0
+        launchers = [launch(i, f"host{i}.log") for i in range(N)]
+        next_kill = start + every
+        while launchers[0].poll() is None:  # node 0's members end with the run
+            if time.time() >= next_kill:
+                victim = failures % (N - 1) + 1
+                hosts.kill(victim)
+                launchers[victim].wait()
+                failures += 1
+                launchers[victim] = launch(victim, f"host{victim}-{failures}.log")  # the node replaced
+                next_kill = time.time() + every
+            time.sleep(0.2)
+        wall, rc = time.time() - start, launchers[0].returncode
+    first = next(run.glob(f"live-{hosts.addresses[0]}_*.jsonl"))  # host 0's member: never killed
+    step_s = [json.loads(line)["s"] for line in first.read_text().splitlines()]
+    return {"wall_s": wall, "failures": failures, "rc": rc, "slowest_step_s": max(step_s),
+            "median_step_s": float(np.median(step_s)), "steps_s": sum(step_s)}  # fmt: skip
+
+
 def _members(launcher: int) -> list[int]:
     """The launcher's members (not its Lighthouse)."""
     import psutil
@@ -130,6 +170,7 @@ def main() -> None:
     ap.add_argument("--size", choices=tuple(SEQ), default="small", help="the model (small: a step of ~29 ms here)")
     ap.add_argument("--out", default="live_goodput.json")
     ap.add_argument("--keep", help="a directory to keep the runs in (default: a temporary one, removed)")
+    ap.add_argument("--hosts", action="store_true", help="the live path on 4 hosts (network namespaces; root)")
     a = ap.parse_args()
     use_size(a.size)
     with tempfile.TemporaryDirectory() as d:
@@ -138,16 +179,18 @@ def main() -> None:
         step, once = step_time(tmp, 200)
         paths = {"restart": lambda: restart_path(tmp, a.steps, a.every, a.ckpt_every),
                  "live": lambda: live_path(tmp, a.steps, a.every, a.live_timeout)}  # fmt: skip
-        rows = {name: run() for name, run in paths.items() if a.only in (None, name)}
+        if a.hosts:  # a host killed whole and its node replaced; the restart path's numbers are loopback's
+            paths = {"live on hosts": lambda: live_on_hosts(tmp, a.steps, a.every, a.live_timeout)}
+        rows = {name: run() for name, run in paths.items() if a.only in (None, name.split()[0])}
     useful = a.steps * step
-    print(f"{a.steps} steps of {step * 1e3:.1f} ms ({useful:.1f} s of steps), a worker SIGKILLed every {a.every:g} s")
+    print(f"{a.steps} steps of {step * 1e3:.1f} ms ({useful:.1f} s of steps), {'a host killed' if a.hosts else 'a worker SIGKILLed'} every {a.every:g} s")
     print(f"a run without failures spends {once:.1f} s besides its steps (the start, compiling): 'past the start' "
           f"leaves it out, as a long run amortises it")  # fmt: skip
-    print(f"{'path':<8} {'wall s':>8} {'failures':>9} {'lost/failure s':>15} {'goodput':>8} {'past the start':>15}")
+    print(f"{'path':<14} {'wall s':>8} {'failures':>9} {'lost/failure s':>15} {'goodput':>8} {'past the start':>15}")
     for name, r in rows.items():
         r["goodput"], r["goodput_past_start"] = useful / r["wall_s"], useful / (r["wall_s"] - once)
         r["lost_per_failure_s"] = (r["wall_s"] - once - useful) / max(r["failures"], 1)
-        print(f"{name:<8} {r['wall_s']:>8.1f} {r['failures']:>9} {r['lost_per_failure_s']:>15.2f} {r['goodput']:>8.1%}"
+        print(f"{name:<14} {r['wall_s']:>8.1f} {r['failures']:>9} {r['lost_per_failure_s']:>15.2f} {r['goodput']:>8.1%}"
               f" {r['goodput_past_start']:>15.1%}")  # fmt: skip
         if "median_step_s" in r:  # the live step itself is slower (torchft's quorum and commit RPCs, host copies)
             own = a.steps * r["median_step_s"]
@@ -155,7 +198,8 @@ def main() -> None:
             r["own_lost_per_failure_s"] = (r["wall_s"] - once - own) / max(r["failures"], 1)
             print(f"  live against its own failure-free step ({r['median_step_s'] * 1e3:.1f} ms): "
                   f"{r['own_lost_per_failure_s']:.2f} s lost per failure, goodput past the start {r['own_goodput']:.1%}")
-    record = {"steps": a.steps, "every_s": a.every, "size": a.size, "step_s": step, "once_s": once, **rows}
+    record = {"steps": a.steps, "every_s": a.every, "size": a.size, "hosts": a.hosts, "step_s": step, "once_s": once,
+              **rows}  # fmt: skip
     Path(a.out).write_text(json.dumps(record, indent=1))
 
 
