@@ -5,10 +5,10 @@ membership (`jdp launch --live`, torchft), the same model, batch and steps, one 
 
 Both run 4 processes on this machine (loopback); `--hosts` runs the live path on 4 hosts instead (network
 namespaces, tests/hosts.py: root only), one process each, and every `--every` s kills a whole host (its launcher and
-member; hosts 1 to 3 in turn, host 0 holding the Lighthouse) and starts its launcher again, as a replaced node. Goodput = the steps' own time (steps x the median step of a run
-without failures) over the wall-clock time, and past the start: over the wall less what a run without failures
-spends besides its steps (starting, compiling: paid once, whatever fails later); lost per failure = (wall - that -
-the steps' own time) / failures. Needs torchft
+member; hosts 1 to 3 in turn, host 0 holding the Lighthouse) and starts its launcher again, as a replaced node.
+Goodput = the steps' own time (steps x the median step of a run without failures) over the wall-clock time, and
+past the start: over the wall less what a run without failures spends besides its steps (starting, compiling: paid
+once, whatever fails later); lost per failure = (wall - that - the steps' own time) / failures. Needs torchft
 (`pip install 'jdp[live]'`). Prints a table and writes live_goodput.json; every process it starts is ended.
 """
 
@@ -95,7 +95,13 @@ def live_path(tmp: Path, steps: int, every: float, timeout: float) -> dict:
             f"train.live_timeout_s={timeout}"]  # fmt: skip
     wall, failures, rc = run_killing(args, tmp / "live.log", every, _members)
     first = min(run.glob("live-*.jsonl"), key=lambda f: int(f.stem.rpartition("_")[2]))  # a member never killed
-    step_s = [json.loads(line)["s"] for line in first.read_text().splitlines()]
+    return live_row(wall, failures, rc, first)
+
+
+def live_row(wall: float, failures: int, rc: int, lines: Path) -> dict:
+    """A live path's row: its wall time, failures and exit code, and the steps of the member whose lines are `lines`
+    (one never killed): each step's seconds, failed attempts included."""
+    step_s = [json.loads(line)["s"] for line in lines.read_text().splitlines()]
     return {"wall_s": wall, "failures": failures, "rc": rc, "slowest_step_s": max(step_s),
             "median_step_s": float(np.median(step_s)), "steps_s": sum(step_s)}  # fmt: skip
 
@@ -133,9 +139,7 @@ def live_on_hosts(tmp: Path, steps: int, every: float, timeout: float) -> dict:
             time.sleep(0.2)
         wall, rc = time.time() - start, launchers[0].returncode
     first = next(run.glob(f"live-{hosts.addresses[0]}_*.jsonl"))  # host 0's member: never killed
-    step_s = [json.loads(line)["s"] for line in first.read_text().splitlines()]
-    return {"wall_s": wall, "failures": failures, "rc": rc, "slowest_step_s": max(step_s),
-            "median_step_s": float(np.median(step_s)), "steps_s": sum(step_s)}  # fmt: skip
+    return live_row(wall, failures, rc, first)
 
 
 def _members(launcher: int) -> list[int]:
