@@ -55,8 +55,10 @@ from jdp.log import PLAIN, logger, set_rank
 from jdp.loop import Loop, Phases, Result, Run
 from jdp.memory import peak_device_bytes
 from jdp.metrics import (
+    CPU_PEAK_ENV,
     MetricsLog,
     StepMeter,
+    cpu_peak_given,
     fingerprint,
     lost_steps,
     missing_steps,
@@ -151,6 +153,8 @@ class Trainer:
     def check(self, mesh: jax.sharding.Mesh) -> Derived:
         """Everything about the config alone that can be wrong, checked before anything is written."""
         derived = validate(self.cfg, mesh.devices.size, jax.process_count())
+        if given := os.environ.get(CPU_PEAK_ENV):
+            cpu_peak_given(given)  # a bad value is refused here, before anything is written
         return dataclasses.replace(derived, tokens_per_step=self.cfg.train.batch_size, unit=self.unit)
 
     def load_data(self, rows: slice) -> tuple[Source, Source | None]:

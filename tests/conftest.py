@@ -22,6 +22,14 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+
+# Every `jdp train` on CPU measures the host's matmul rate for MFU at start (half a second on every core, in each
+# process): the tests' hundreds of processes take it from one measurement per pytest process instead.
+if "JDP_CPU_PEAK_FLOPS" not in os.environ:
+    os.environ["JDP_CPU_PEAK_FLOPS"] = subprocess.run(
+        [sys.executable, "-c", "from jdp.metrics import measure_matmul_flops as m; print(repr(m()))"],
+        capture_output=True, text=True, check=True, timeout=120,
+    ).stdout.strip()  # fmt: skip
 import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402

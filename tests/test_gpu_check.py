@@ -60,7 +60,9 @@ def test_the_cpu_mode_runs_every_step_writes_five_files_and_a_full_summary(tmp_p
         assert c["max_rel_loss_diff"] <= c["bound"] and c["guard"]["ok"]
         assert c["guard"]["skipped"] == 1 and c["guard"]["params_unchanged"]
         t = steps[f"train:{name}"]
-        assert t["grad_accum"] == 2 and t["step_ms"] > 0 and 0 < t["mfu"] < 1.5
+        # On CPU the MFU's peak is a 0.5 s matmul measurement on cores the other xdist worker shares: the step can
+        # meet less contention than the measurement did (CI once read 154%). A wrong FLOP count is off by 3x or more.
+        assert t["grad_accum"] == 2 and t["step_ms"] > 0 and 0 < t["mfu"] < 3
         assert t["last_loss"] < t["first_loss"]
         assert t["plan"]["assumed"]["mfu"] == 0.5
         assert t["plan"]["calibrated"]["mfu"] == pytest.approx(min(t["mfu"], 1.0), rel=1e-4)  # the run's MFU, planned with

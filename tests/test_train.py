@@ -63,6 +63,25 @@ def test_missing_text_column_is_a_clear_error(capsys, no_compile, cache, tmp_pat
     assert "no column 'text'" in err and "body" in err
 
 
+def test_the_cpu_peak_is_measured_at_start_or_taken_from_jdp_cpu_peak_flops(monkeypatch):
+    from jdp.metrics import peak_flops
+
+    monkeypatch.delenv("JDP_CPU_PEAK_FLOPS", raising=False)
+    rate, source = peak_flops("float32", 4)
+    assert 1e9 < rate < 1e15 and source.startswith("measured float32 matmul rate")
+    monkeypatch.setenv("JDP_CPU_PEAK_FLOPS", "3e11")
+    assert peak_flops("float32", 4) == (3e11, "JDP_CPU_PEAK_FLOPS=3e11 per host (not measured)")
+
+
+@pytest.mark.parametrize("value", ["fast", "0", "-2e11", "nan", "inf"])
+def test_a_bad_jdp_cpu_peak_flops_is_a_clear_error_before_compiling(value, monkeypatch, capsys, no_compile, cache,
+                                                                     tmp_path):  # fmt: skip
+    monkeypatch.setenv("JDP_CPU_PEAK_FLOPS", value)
+    code, err = run_cli(["configs/tiny.yaml", f"train.run_dir={tmp_path / 'run'}"], capsys)
+    assert code == 2 and f"JDP_CPU_PEAK_FLOPS={value!r} is not a positive number" in err, err
+    assert not (tmp_path / "run").exists()
+
+
 def test_old_metrics_in_a_run_dir_without_checkpoints_are_kept_aside(cache, tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
     small = ["model.n_layers=1", "model.d_model=32", "train.steps=2", "train.eval_every=0", "train.log_every=1"]
@@ -91,7 +110,7 @@ def test_tiny_config_trains_loss_falls(cache, tmp_path):
     assert [r["step"] for r in evals] == [20, 40]
     for r in steps:  # a CPU's peak is a half-second matmul measurement on a shared machine: a run can beat it
         assert {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "data_wait_s"} <= set(r)
-        assert r["tokens_per_sec"] > 0 and 0 < r["mfu"] < 1.5 and r["data_wait_s"] >= 0
+        assert r["tokens_per_sec"] > 0 and 0 < r["mfu"] < 3 and r["data_wait_s"] >= 0
     # Uniform guessing over 320 ids is ln 320 = 5.77; 40 steps of the tiny config get far below.
     assert steps[-1]["loss"] < steps[0]["loss"] - 1.0
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] < 5.0
