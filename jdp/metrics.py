@@ -30,8 +30,8 @@ __all__ = [
     "GOODPUT_PARTS",
     "MetricsLog",
     "MetricsWriteFailed",
-    "cpu_peak_given",
     "StepMeter",
+    "cpu_peak_given",
     "describe_goodput",
     "fingerprint",
     "host_leaves",
@@ -117,9 +117,9 @@ def cpu_peak_given(value: str) -> float:
 def peak_flops(dtype: str, n_devices: int) -> tuple[float, str]:
     """Total peak FLOP/s of the devices in use, and where the number came from."""
     device = jax.devices()[0]
-    if device.platform == "cpu" and (given := os.environ.get(CPU_PEAK_ENV)):
-        return cpu_peak_given(given) * jax.process_count(), f"{CPU_PEAK_ENV}={given} per host (not measured)"
     if device.platform == "cpu":
+        if given := os.environ.get(CPU_PEAK_ENV):
+            return cpu_peak_given(given) * jax.process_count(), f"{CPU_PEAK_ENV}={given} per host (not measured)"
         rate = measure_matmul_flops() * jax.process_count()  # assumes every host is like this one
         return rate, "measured float32 matmul rate of this host's CPU devices (best 0.1 s of 0.5; CPUs have no datasheet peak)"
     kind = device.device_kind
