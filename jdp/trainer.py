@@ -50,7 +50,7 @@ from jdp.job.coordination import PeerMonitor, announce_departure, describe_hosts
 from jdp.job.join import initialize
 from jdp.job.process import Interrupted, StartupInterrupts, startup_interrupts, watch_launcher
 from jdp.job.world import World, WorldError, resolve_world
-from jdp.job.xla import keep_scratch_memory, use_compilation_cache
+from jdp.job.xla import CACHE_OFF_ACROSS_PROCESSES, keep_scratch_memory, use_compilation_cache
 from jdp.log import PLAIN, logger, set_rank
 from jdp.loop import Loop, Phases, Result, Run
 from jdp.memory import peak_device_bytes
@@ -257,7 +257,9 @@ class Trainer:
     def setup(self, world: World, phases: Phases, mesh: jax.sharding.Mesh, derived: Derived) -> Run:
         """Everything before the first step: data, state and steps, the run directory, a checkpoint to resume."""
         cfg, t, is_main = self.cfg, self.cfg.train, jax.process_index() == 0
-        cache = use_compilation_cache(cache_root(cfg.data) / "xla") if t.compile_cache else None
+        cache = "off (train.compile_cache=false)"
+        if t.compile_cache:
+            cache = use_compilation_cache(cache_root(cfg.data) / "xla") or CACHE_OFF_ACROSS_PROCESSES
         with phases("loading data"):
             data, eval_data = self.load_data(parallel.process_rows(t.batch_size, mesh))
             data_print = data.fingerprint()  # what the data is: each checkpoint keeps it, a resume compares
@@ -574,7 +576,7 @@ def banner(cfg: Config, world: World, derived, model_line: str, data, run_dir, r
         *([synced] if (synced := sync.get(par.sync).describe(par)) else []),
         f"data {data.describe()}{epochs}",
         *(f"data | {line}" for line in data.describe_sources()),
-        f"run dir {run_dir.path} | {where} | compile cache {cache or 'off (train.compile_cache=false)'}",
+        f"run dir {run_dir.path} | {where} | compile cache {cache}",
     ]
 
 

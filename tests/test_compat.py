@@ -5,14 +5,18 @@ b30014c): a GPT trained 8 steps on its own small corpus with checkpoints at 4 an
 summary and the metrics after step 4 were then removed. expected.json holds that uninterrupted run's losses and its
 final parameters' digest. Resuming from step 4 here must give the same, to the bit. Pinned again once, where a change
 moved the update's arithmetic on purpose (issue 44: the in-place update moved the parameters in the last bit, the
-training losses stayed equal; expected.json's "repinned" says what moved and keeps the old numbers).
+training losses stayed equal; expected.json's "repinned" says what moved and keeps the old numbers). XLA's
+arithmetic moves between jaxlib releases too (0.12.1: the same losses, the update fused otherwise): the step-8 pins
+are per jaxlib, and a jaxlib with none compares to float32 rounding.
 """
 
 import json
+import math
 import os
 import shutil
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -37,7 +41,17 @@ def test_a_run_written_before_the_redesign_resumes_bit_for_bit(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = {str(r["step"]): r["loss"] for r in records if "loss" in r}
     evals = {str(r["step"]): r["eval_loss"] for r in records if "eval_loss" in r}
-    assert losses == expected["losses"]  # steps 1-4 kept from before, 5-8 computed now: equal to the bit
-    assert evals == expected["eval_losses"]
+    # steps 1-4 kept from before, 5-8 computed now: equal to the bit on the jaxlibs pinned (the reading is what is
+    # tested: a leaf, a moment or the data position read wrong moves them far more than float32 rounding)
+    pinned = expected["at_8"].get(version("jaxlib"))
+    if pinned is None:
+        print(f"jaxlib {version('jaxlib')} has no pin: the losses and the eval loss to float32 rounding")
+        assert losses.keys() == expected["losses"].keys()
+        assert all(math.isclose(losses[k], v, rel_tol=1e-6) for k, v in expected["losses"].items()), losses
+        assert math.isclose(evals.pop("8"), expected["at_8"]["0.12.0.1"]["eval_loss"], rel_tol=1e-6)
+        assert evals == expected["eval_losses"]
+        return
+    assert losses == expected["losses"]
+    assert evals == {**expected["eval_losses"], "8": pinned["eval_loss"]}
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["params_sha256"] == expected["params_sha256_at_8"]
+    assert summary["params_sha256"] == pinned["params_sha256"]

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Mapping
 
 from jdp.job.world import COORDINATOR_PORT_ENV, World
+from jdp.job.xla import no_cache_across_processes
 from jdp.log import PLAIN, logger, set_rank
 
 __all__ = [
@@ -141,6 +142,7 @@ def initialize(world: World, init_timeout_s: int = 300, heartbeat_timeout_s: int
 
     # CPU collectives across processes need gloo; GPU collectives use NCCL regardless of this setting.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    no_cache_across_processes()  # before anything compiles (xla.CACHE_OFF_ACROSS_PROCESSES says why)
     joined = threading.Event()
 
     def watchdog() -> None:

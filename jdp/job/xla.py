@@ -9,7 +9,10 @@ from pathlib import Path
 
 from jdp.log import logger
 
-__all__ = ["SCRATCH_LATE", "collective_flags", "keep_scratch_memory", "set_xla_flags", "use_compilation_cache"]
+__all__ = [
+    "CACHE_OFF_ACROSS_PROCESSES", "SCRATCH_LATE", "collective_flags", "keep_scratch_memory", "no_cache_across_processes",
+    "set_xla_flags", "use_compilation_cache",
+]
 
 log = logger("jdp.xla")
 
@@ -56,12 +59,31 @@ def set_xla_flags(
     return added
 
 
-def use_compilation_cache(directory: str | Path) -> str:
-    """Keep compiled programs in JAX's persistent cache at `directory`, unless JAX_COMPILATION_CACHE_DIR (or
-    jax.config) already names one: a restart, a resume or a second run of the same config then loads its
-    step instead of compiling it. Call before the first compilation. Returns the directory in use."""
+CACHE_OFF_ACROSS_PROCESSES = (
+    "off (several processes: JAX keys its entries per process, so only process 0 would read them; docs/performance.md#compile-once)"
+)
+
+
+def no_cache_across_processes() -> None:
+    """JAX's persistent compilation cache off in this process of a multi-process job, before anything compiles:
+    JAX's key holds the process (process 1 never finds what process 0 wrote, measured on jaxlib 0.10.2-0.12.1), so the
+    cache saves a restart no time (every step waits for the process that compiled), and on jaxlib 0.12.1 (CPU,
+    gloo) the first step never finishes where process 0 read it from the cache and the others compiled it."""
     import jax
 
+    jax.config.update("jax_enable_compilation_cache", False)
+
+
+def use_compilation_cache(directory: str | Path) -> str | None:
+    """Keep compiled programs in JAX's persistent cache at `directory`, unless JAX_COMPILATION_CACHE_DIR (or
+    jax.config) already names one: a restart, a resume or a second run of the same config then loads its
+    step instead of compiling it. Call before the first compilation. Returns the directory in use, or None in a
+    job of several processes (CACHE_OFF_ACROSS_PROCESSES)."""
+    import jax
+
+    if jax.process_count() > 1:
+        no_cache_across_processes()
+        return None
     if jax.config.jax_compilation_cache_dir:
         return jax.config.jax_compilation_cache_dir
     Path(directory).mkdir(parents=True, exist_ok=True)
