@@ -194,9 +194,11 @@ def plot_arguments(p: argparse.ArgumentParser) -> None:
 
 def launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc-per-node", type=int, required=True, help="workers on this node")
-    p.add_argument("--nnodes", default="1", help="nodes in the job (default 1); MIN:MAX: elastic (needs --rdzv-dir)")
-    p.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0 .. nnodes-1")
-    p.add_argument("--coordinator", help="HOST:PORT on node 0 (default on one node: 127.0.0.1 and a free port)")
+    p.add_argument("--nnodes", help="nodes in the job (default 1; under srun: its tasks); MIN:MAX: elastic (needs "
+                   "--rdzv-dir)")  # fmt: skip
+    p.add_argument("--node-rank", type=int, help="this node's rank, 0 .. nnodes-1 (default 0; under srun: SLURM_PROCID)")
+    p.add_argument("--coordinator", help="HOST:PORT on node 0 (default on one node: 127.0.0.1 and a free port; under "
+                   "srun: the step's first node, JAX's port for the job id)")  # fmt: skip
     p.add_argument(
         "--coordinator-bind",
         metavar="HOST[:PORT]",

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 from slurm import KILL_WAIT_S, Cluster, unavailable
@@ -300,3 +301,48 @@ def test_a_task_killed_with_sigkill_ends_the_srun_step_and_leaves_no_process(clu
         if srun.poll() is None:
             srun.kill()
             srun.communicate()
+
+
+@pytest.mark.skipif(
+    not (JDP.parent / "torchft_lighthouse").exists(),
+    reason=f"torchft is not installed beside {sys.executable} (pip install 'jdp[live]'); CI runs this test on its "
+    "oldest stack, which has torch",
+)
+def test_srun_jdp_launch_live_replaces_a_killed_member_and_the_others_go_on(cluster, env, tmp_path):
+    """`srun --kill-on-bad-exit=0 -n 2 jdp launch --live`, nothing per task on the command line: each srun task is
+    one node of the launch (SLURM_PROCID its rank, node 0 starts the Lighthouse on the step's first node at JAX's
+    port for the job id). Task 1's member, SIGKILLed at step 8, is replaced in its slot and joins with a peer's state
+    while task 0's member goes on; srun exits 0 once the run is done, every row once, the members end equal."""
+    from live_logs import TRAIN, check_rows, lines, params, wait_for_step
+
+    steps, run, log = 300, tmp_path / "run", tmp_path / "srun.log"
+    cmd = ["srun", "--kill-on-bad-exit=0", "-n", "2", str(JDP), "launch", "--live", "--nproc-per-node", "1",
+           "--min-members", "1", "--max-restarts", "1", "--grace-s", "5", "--", *TRAIN, f"train.steps={steps}",
+           f"train.run_dir={run}"]  # fmt: skip
+    srun = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while len(pids := sorted(int(f.stem.rpartition("_")[2]) for f in run.glob("live-*.jsonl"))) < 2:
+            assert time.monotonic() < deadline and srun.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.1)
+        tasks = {psutil.Process(pid).environ().get("SLURM_PROCID"): pid for pid in pids}
+        assert sorted(tasks) == ["0", "1"], f"each srun task should run one member: {tasks}"
+        wait_for_step(run, tasks["0"], 8)
+        os.kill(tasks["1"], signal.SIGKILL)
+        assert srun.wait(timeout=300) == 0, log.read_text()[-3000:]
+    finally:
+        if srun.poll() is None:
+            srun.kill()  # srun's SIGKILL ends the step: slurmstepd kills every process of both tasks
+            srun.wait()
+    text = log.read_text()
+    where = f"coordinator {socket.gethostname()}:"
+    for rank in (0, 1):
+        assert f"from SLURM's job step: node {rank} of 2 (srun task {rank} of 2), {where}" in text, text[-3000:]
+    assert "started torchft's Lighthouse" in text and "replaced by pid" in text, text[-3000:]
+    final = sorted(int(f.stem.rpartition("_")[2]) for f in run.glob("live-*.jsonl"))
+    (joiner,) = set(final) - set(pids)
+    a, j = lines(run, tasks["0"]), lines(run, joiner)
+    assert a[-1]["step"] == j[-1]["step"] == steps, "a member did not finish"
+    assert j[0]["step"] > 8 and a[-1]["members"] == sorted([tasks["0"], joiner])
+    check_rows(run, [tasks["0"], joiner], final, steps)
+    np.testing.assert_array_equal(params(run, tasks["0"]), params(run, joiner))

@@ -1,5 +1,7 @@
 """Every way of describing a multi-process job resolves to the right coordinator, count and id."""
 
+import os
+
 import pytest
 
 from jdp.job.world import WorldError, resolve_world
@@ -71,6 +73,35 @@ def test_slurm_tasks_get_their_share_of_the_gpus_they_see(tasks, nodes, visible,
     if visible:
         env["CUDA_VISIBLE_DEVICES"] = visible
     assert resolve_world(env=env).local_device_ids == gpus
+
+
+@pytest.mark.parametrize(
+    "env, given, placed",
+    [
+        # srun -n 2 (a task per node): each task one node, the coordinator the step's first node at JAX's port
+        ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1"}, {}, ("2", 1, f"gpu003:{4242 % 4096 + 61440}")),
+        ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "0"}, {"lighthouse": "http://lh:29510"}, ("2", 0, None)),
+        ({"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "3"}, {"nnodes": "2:4"}, ("2:4", 3, f"gpu003:{4242 % 4096 + 61440}")),
+        ({"SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"}, {}, ("1", 0, None)),  # one node: loopback, as ever
+        # what the user gave is kept
+        ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1"}, {"nnodes": "1", "node_rank": 0}, ("1", 0, None)),
+        # a batch script or an salloc shell is no step: one node
+        ({"SLURM_STEP_NODELIST": None, "SLURM_PROCID": "0"}, {}, ("1", 0, None)),
+    ],
+)
+def test_jdp_launch_under_srun_takes_each_task_for_a_node(monkeypatch, env, given, placed):
+    from argparse import Namespace
+
+    from jdp.job.launch import place
+
+    for k in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(k)
+    for k, v in {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "gpu[003-004]", **env}.items():
+        if v is not None:
+            monkeypatch.setenv(k, v)
+    args = Namespace(**{"nnodes": None, "node_rank": None, "coordinator": None, "lighthouse": None, **given})
+    place(args)
+    assert (args.nnodes, args.node_rank, args.coordinator) == placed
 
 
 def test_open_mpi_variables_leave_the_address_to_jax():

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from jdp.job.join import source_address
 from jdp.job.process import INTERRUPTED_EXIT
 from jdp.job.rendezvous import Rendezvous, RendezvousError
+from jdp.job.world import slurm_step
 from jdp.log import logger
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "free_port",
     "gpu_groups",
     "launch",
+    "place",
     "say",
     "signal_workers",
     "spawn",
@@ -393,6 +395,24 @@ def nodes_range(value) -> tuple[int, int]:
     return lo, hi
 
 
+def place(args) -> None:
+    """--nnodes, --node-rank and --coordinator where they are not given. Run by srun (in a SLURM job step), each task
+    is one node of the launch: the step's tasks are the nodes, SLURM_PROCID this node's rank, the coordinator the
+    step's first node at JAX's port for the job id (so `srun --ntasks-per-node=1 jdp launch ...` needs no per-task
+    shell variables, which a batch script would expand once, for every task alike). Elsewhere: one node, node 0."""
+    step = slurm_step(os.environ)
+    if step is not None and (args.nnodes is None or args.node_rank is None):
+        tasks, rank, coordinator = step
+        args.nnodes = str(tasks) if args.nnodes is None else args.nnodes
+        args.node_rank = rank if args.node_rank is None else args.node_rank
+        if args.coordinator is None and tasks > 1 and not getattr(args, "lighthouse", None):
+            args.coordinator = coordinator
+        say(f"from SLURM's job step: node {args.node_rank} of {args.nnodes} (srun task {rank} of {tasks})"
+            + (f", coordinator {args.coordinator}" if args.coordinator else ""))  # fmt: skip
+    args.nnodes = "1" if args.nnodes is None else args.nnodes
+    args.node_rank = 0 if args.node_rank is None else args.node_rank
+
+
 def worker_argv(command: list[str]) -> list[str]:
     """What each worker runs: a jdp command (`train ...`) with this Python; a Python script (`python x.py ...` or
     `x.py ...`, as torchrun runs one) with this Python too, so the workers see the launcher's environment; any
@@ -414,6 +434,7 @@ def launch(args, command: list[str]) -> int:
             "nothing to launch: give a jdp command or a script after --, e.g. jdp launch --nproc-per-node 2 -- train, "
             "or -- python my_training.py"
         )
+    place(args)
     args.min_nodes, args.nnodes = nodes_range(args.nnodes)
     if args.nproc_per_node < 1:
         raise LaunchError(f"--nproc-per-node {args.nproc_per_node}: start at least 1 worker on this node (its GPUs' "

@@ -21,6 +21,7 @@ from jdp.job.launch import (
     Worker,
     free_port,
     nodes_range,
+    place,
     say,
     signal_workers,
     spawn,
@@ -160,6 +161,7 @@ def launch_live(args, command: list[str]) -> int:
         command = command[1:]
     if not command or command[0] != "train":
         raise LaunchError("--live starts `jdp train` members: give -- train CONFIG [key=value ...]")
+    place(args)
     args.min_nodes, args.nnodes = nodes_range(args.nnodes)
     if args.nproc_per_node < 1:
         raise LaunchError(f"--nproc-per-node {args.nproc_per_node}: start at least 1 member on this node")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from jdp.log import logger
 
-__all__ = ["COORDINATOR_PORT_ENV", "DESCRIBED", "SCHEDULERS", "World", "WorldError", "resolve_world"]
+__all__ = ["COORDINATOR_PORT_ENV", "DESCRIBED", "SCHEDULERS", "World", "WorldError", "resolve_world", "slurm_step"]
 
 log = logger("jdp.world")
 
@@ -140,6 +140,16 @@ def _from_slurm(env: Mapping[str, str]) -> World | None:
         return None
     n = _int("SLURM", "SLURM_NTASKS", env["SLURM_NTASKS"])
     return _checked("SLURM variables", _slurm_coordinator(env), n, env["SLURM_PROCID"], _slurm_gpus(env))
+
+
+def slurm_step(env: Mapping[str, str]) -> tuple[int, int, str] | None:
+    """Inside a SLURM job step (srun): (its tasks, this task's rank, the first node and JAX's port for the job id);
+    None elsewhere (a batch script, an salloc shell, no SLURM). `jdp launch` run by srun takes each task for one
+    node of the launch from it."""
+    if not all(k in env for k in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID")):
+        return None
+    tasks = _int("SLURM", "SLURM_STEP_NUM_TASKS", env["SLURM_STEP_NUM_TASKS"])
+    return tasks, _int("SLURM", "SLURM_PROCID", env["SLURM_PROCID"]), _slurm_coordinator(env)
 
 
 def _from_open_mpi(env: Mapping[str, str]) -> World | None:
