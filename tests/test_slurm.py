@@ -90,18 +90,27 @@ def srun_run(cluster, env, tmp_path_factory):
 
 
 def test_srun_trains_like_jdp_launch(srun_run, env, tmp_path):
+    """`srun -n 2 jdp train` (SLURM's variables) and `srun -n 2 jdp launch` (a launcher task per node) train alike."""
     out, metrics, summary = srun_run
     m = re.search(r"process 0 of 2, coordinator (\S+):(\d+) \(from SLURM variables\)", out.stdout)
     assert m, out.stdout[-3000:]
     assert m.group(1) == socket.gethostname() and 65535 - 2**12 < int(m.group(2)) <= 65535, m.group(0)
     assert summary["devices"] == 4, "XLA_FLAGS did not reach both tasks: 2 processes x 2 CPU devices expected"
 
+    # The same job as `jdp launch` run by srun: each task one node of the launch (nothing per task on the command
+    # line), one worker of 2 CPU devices each, the job described to the workers by the launchers.
     launched = tmp_path / "launch"
-    args = [str(JDP), "launch", "--nproc-per-node", "2", "--devices-per-proc", "2", "--", "train", *RUN]
+    args = ["srun", "--kill-on-bad-exit=1", "-n", "2", str(JDP), "launch", "--nproc-per-node", "1",
+            "--devices-per-proc", "2", "--", "train", *RUN]  # fmt: skip
     ref = subprocess.run(
         [*args, f"train.run_dir={launched}"], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
     )
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"from SLURM's job step: node {rank} of 2 (srun task {rank} of 2)" in ref.stderr, ref.stderr[-3000:]
+    # the launchers describe the job to their workers (JAX_* variables), on the step's first node
+    banner = rf"process 0 of 2, coordinator {re.escape(socket.gethostname())}:\d+ \(from JAX_\* variables\)"
+    assert re.search(banner, ref.stdout), ref.stdout[-3000:]
     ref_metrics, ref_summary = (
         read_metrics(launched / "metrics.jsonl"),
         json.loads((launched / "summary.json").read_text()),
