@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -125,3 +126,40 @@ def test_a_host_whose_own_name_does_not_resolve_still_joins(tmp_path):
         assert f"process {i}: CPU collectives on 127.0.0.1 (the address this host reaches the coordinator" in said
     steps = [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
     assert steps == [1, 2, 3, 4]
+
+
+@pytest.mark.skipif(
+    not (Path(sys.executable).parent / "torchft_lighthouse").exists(),
+    reason=f"torchft is not installed beside {sys.executable} (pip install 'jdp[live]'); CI runs this test on its "
+    "oldest stack, which has torch",
+)
+def test_the_indexed_job_runs_live_members_with_the_documented_command(tmp_path):
+    """docs/live.md's Kubernetes command, `jdp launch --live --node-rank $JOB_COMPLETION_INDEX --coordinator
+    jdp-0.jdp:PORT`, as each pod's shell runs it: pod 0 starts the Lighthouse, each pod's member reaches it by the
+    headless Service's name and tells the others its own address; both train every step in one quorum, every row
+    once, and end with the same parameters."""
+    from live_logs import TRAIN, check_rows, lines, params
+
+    service, job = yaml.safe_load_all((ROOT / "scripts/k8s-job.yaml").read_text())
+    n, name, subdomain = job["spec"]["completions"], job["metadata"]["name"], service["metadata"]["name"]
+    service_names = "".join(f"127.0.0.1 {name}-{i}.{subdomain}\n" for i in range(n))
+    for i in range(n):
+        (tmp_path / f"hosts-{i}").write_text(f"127.0.0.1 localhost\n127.0.0.1 {name}-{i}\n{service_names}")
+    steps, run, port = 12, tmp_path / "shared" / "run", free_port()
+    jdp = Path(sys.executable).parent / "jdp"
+    command = (f"{jdp} launch --live --nnodes {n} --nproc-per-node 1 --node-rank $JOB_COMPLETION_INDEX "
+               f"--coordinator {name}-0.{subdomain}:{port} -- {' '.join(TRAIN)} train.steps={steps} "
+               f"train.run_dir={run}")  # fmt: skip
+    # the pod's environment less the three JAX_ variables (the launcher describes the job: scripts/k8s-job.yaml)
+    pods = [(tmp_path / f"hosts-{i}", f"{name}-{i}",
+             {k: v for k, v in pod_environment(job, i).items() if not k.startswith("JAX_")}) for i in range(n)]  # fmt: skip
+    results = run_hosts(pods, ["sh", "-c", command], timeout=240)
+    assert all(code == 0 for code, _, _ in results), "\n".join(err[-3000:] for _, _, err in results)
+    assert "started torchft's Lighthouse" in results[0][2], results[0][2][-3000:]
+    pids = sorted(int(f.stem.rpartition("_")[2]) for f in run.glob("live-*.jsonl"))
+    assert len(pids) == n, f"one member per pod: {pids}"
+    for pid in pids:
+        assert [m["step"] for m in lines(run, pid)] == list(range(1, steps + 1))
+        assert lines(run, pid)[-1]["members"] == pids
+    check_rows(run, pids, pids, steps)
+    np.testing.assert_array_equal(params(run, pids[0]), params(run, pids[1]))
