@@ -15,6 +15,11 @@ MODEL = ["model.n_layers=2", "model.d_model=64", "model.max_seq_len=64", "data.s
 TRAIN = ["train", "configs/tiny.yaml", *MODEL, "train.progress=false", "train.log_every=1"]
 
 
+def member_pids(run_dir: Path, host: str = "*") -> list[int]:
+    """The PIDs of every member that logged a line in run_dir (of those on `host`'s address: all by default), sorted."""
+    return sorted(int(f.stem.rpartition("_")[2]) for f in run_dir.glob(f"live-{host}_*.jsonl"))
+
+
 def lines(run_dir: Path, pid: int) -> list[dict]:
     path = next(run_dir.glob(f"live-*_{pid}.jsonl"), None)
     return [json.loads(x) for x in path.read_text().splitlines()] if path else []

@@ -138,7 +138,7 @@ def test_the_indexed_job_runs_live_members_with_the_documented_command(tmp_path)
     jdp-0.jdp:PORT`, as each pod's shell runs it: pod 0 starts the Lighthouse, each pod's member reaches it by the
     headless Service's name and tells the others its own address; both train every step in one quorum, every row
     once, and end with the same parameters."""
-    from live_logs import TRAIN, check_rows, lines, params
+    from live_logs import TRAIN, check_rows, lines, member_pids, params
 
     service, job = yaml.safe_load_all((ROOT / "scripts/k8s-job.yaml").read_text())
     n, name, subdomain = job["spec"]["completions"], job["metadata"]["name"], service["metadata"]["name"]
@@ -156,7 +156,7 @@ def test_the_indexed_job_runs_live_members_with_the_documented_command(tmp_path)
     results = run_hosts(pods, ["sh", "-c", command], timeout=240)
     assert all(code == 0 for code, _, _ in results), "\n".join(err[-3000:] for _, _, err in results)
     assert "started torchft's Lighthouse" in results[0][2], results[0][2][-3000:]
-    pids = sorted(int(f.stem.rpartition("_")[2]) for f in run.glob("live-*.jsonl"))
+    pids = member_pids(run)
     assert len(pids) == n, f"one member per pod: {pids}"
     for pid in pids:
         assert [m["step"] for m in lines(run, pid)] == list(range(1, steps + 1))

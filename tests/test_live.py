@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from live_logs import TRAIN, check_rows, lines, params, wait_for_step
+from live_logs import TRAIN, check_rows, lines, member_pids, params, wait_for_step
 
 from jdp.job.launch import free_port
 from jdp.metrics import read_metrics
@@ -217,7 +217,7 @@ def test_jdp_launch_live_replaces_a_killed_member_and_the_others_go_on(tmp_path)
     launcher = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.time() + 180
-        while len(pids := sorted(int(f.stem.rpartition("_")[2]) for f in run.glob("live-*.jsonl"))) < 3:
+        while len(pids := member_pids(run)) < 3:
             assert time.time() < deadline and launcher.poll() is None, (tmp_path / "launch.log").read_text()[-3000:]
             time.sleep(0.1)
         wait_for_step(run, pids[0], 8)
@@ -229,7 +229,7 @@ def test_jdp_launch_live_replaces_a_killed_member_and_the_others_go_on(tmp_path)
             launcher.wait()  # watch it: JDP_LAUNCHER_PID)
     text = (tmp_path / "launch.log").read_text()
     assert "started torchft's Lighthouse" in text and "replaced by pid" in text, text[-3000:]
-    final = sorted(int(f.stem.rpartition("_")[2]) for f in run.glob("live-*.jsonl"))
+    final = member_pids(run)
     (joiner,) = set(final) - set(pids)
     a, b, j = lines(run, pids[0]), lines(run, pids[1]), lines(run, joiner)
     assert a[-1]["step"] == b[-1]["step"] == j[-1]["step"] == steps, "a member did not finish"
@@ -298,8 +298,7 @@ def test_a_partitioned_host_rejoins_and_a_killed_host_comes_back(tmp_path):
             while len(found) < n:  # live-ADDRESS_PID.jsonl
                 assert time.time() < deadline, (tmp_path / log).read_text()[-3000:]
                 time.sleep(0.1)
-                found = sorted(int(f.stem.rpartition("_")[2]) for f in run.glob(f"live-{hosts.addresses[i]}_*.jsonl")
-                               if int(f.stem.rpartition("_")[2]) not in known)  # fmt: skip
+                found = [pid for pid in member_pids(run, hosts.addresses[i]) if pid not in known]
             return found
 
         launchers = [launch(i, f"host{i}.log") for i in range(3)]

@@ -322,7 +322,7 @@ def test_srun_jdp_launch_live_replaces_a_killed_member_and_the_others_go_on(clus
     one node of the launch (SLURM_PROCID its rank, node 0 starts the Lighthouse on the step's first node at JAX's
     port for the job id). Task 1's member, SIGKILLed at step 8, is replaced in its slot and joins with a peer's state
     while task 0's member goes on; srun exits 0 once the run is done, every row once, the members end equal."""
-    from live_logs import TRAIN, check_rows, lines, params, wait_for_step
+    from live_logs import TRAIN, check_rows, lines, member_pids, params, wait_for_step
 
     steps, run, log = 300, tmp_path / "run", tmp_path / "srun.log"
     cmd = ["srun", "--kill-on-bad-exit=0", "-n", "2", str(JDP), "launch", "--live", "--nproc-per-node", "1",
@@ -331,7 +331,7 @@ def test_srun_jdp_launch_live_replaces_a_killed_member_and_the_others_go_on(clus
     srun = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 180
-        while len(pids := sorted(int(f.stem.rpartition("_")[2]) for f in run.glob("live-*.jsonl"))) < 2:
+        while len(pids := member_pids(run)) < 2:
             assert time.monotonic() < deadline and srun.poll() is None, log.read_text()[-3000:]
             time.sleep(0.1)
         tasks = {psutil.Process(pid).environ().get("SLURM_PROCID"): pid for pid in pids}
@@ -348,7 +348,7 @@ def test_srun_jdp_launch_live_replaces_a_killed_member_and_the_others_go_on(clus
     for rank in (0, 1):
         assert f"from SLURM's job step: node {rank} of 2 (srun task {rank} of 2), {where}" in text, text[-3000:]
     assert "started torchft's Lighthouse" in text and "replaced by pid" in text, text[-3000:]
-    final = sorted(int(f.stem.rpartition("_")[2]) for f in run.glob("live-*.jsonl"))
+    final = member_pids(run)
     (joiner,) = set(final) - set(pids)
     a, j = lines(run, tasks["0"]), lines(run, joiner)
     assert a[-1]["step"] == j[-1]["step"] == steps, "a member did not finish"
