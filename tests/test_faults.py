@@ -184,6 +184,8 @@ def test_stalled_worker_makes_the_job_exit_within_the_watchdog_timeout(tmp_path,
     assert "no step finished for 10 s" in out.stderr and "processes behind the others: [1]" in out.stderr, out.stderr[
         -3000:
     ]
+    # each thread's stack: the stalled process's shows where it stopped (the hook's sleep), the other's its wait
+    assert re.search(r'inject\.py", line \d+ in on_batch', out.stderr), out.stderr[-3000:]
 
 
 # ---------------------------------------------------------------------------- in-process (4 simulated devices)

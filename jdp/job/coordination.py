@@ -6,6 +6,7 @@ The only module that touches jax.distributed's key-value store.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -281,7 +282,8 @@ class StopAgreement:
 
 
 class Watchdog:
-    """Exits this process, with a message, when no step finishes for `timeout_s` (a stalled or dead peer).
+    """Exits this process, with a message and each thread's Python stack, when no step finishes for `timeout_s` (a
+    stalled or dead peer, or a call that never returns).
 
     Each process records its last finished step in the key-value store, so the message names the
     processes that are behind.
@@ -331,8 +333,9 @@ class Watchdog:
                 log.error(
                     f"process {jax.process_index()} of {jax.process_count()}: no step finished for "
                     f"{self.timeout_s:g} s after step {self.step} (train.step_timeout_s){behind}. A peer is "
-                    f"stalled or dead; exiting instead of waiting forever."
+                    f"stalled or dead; exiting instead of waiting forever. Where each thread of this process waited:"
                 )
+                faulthandler.dump_traceback(all_threads=True)  # to stderr: what a hang's report needs first
                 announce_departure(f"gave up: no step finished for {self.timeout_s:g} s after step {self.step}")
                 os._exit(4)
 
