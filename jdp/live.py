@@ -58,6 +58,7 @@ from jdp.config import Config, ConfigError
 from jdp.data.corpus import cache_root
 from jdp.data.pipeline import Batches, load_data
 from jdp.data.tokens import windows
+from jdp.job.coordination import Watchdog
 from jdp.job.xla import use_compilation_cache
 from jdp.log import logger
 from jdp.metrics import MetricsLog, params_sha256, supersede
@@ -279,6 +280,11 @@ class Member:
         return np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(self.params)])
 
 
+def quorum_timeout_s(cfg: Config) -> float:
+    """How long a member waits for a quorum before asking again as a new incarnation."""
+    return max(30.0, 3 * cfg.train.live_timeout_s)
+
+
 def _manager(tf, member: Member, cfg: Config, host: str, name: str):
     """A torchft Manager for this process (a replica group of one process), and its store (keep it: the store's
     server lives as long as the object)."""
@@ -288,7 +294,7 @@ def _manager(tf, member: Member, cfg: Config, host: str, name: str):
     manager = tf.Manager(
         pg=tf.Gloo(timeout=timeout), load_state_dict=member.load_state_dict, state_dict=member.state_dict,
         min_replica_size=t.live_min, use_async_quorum=True, init_sync=False, timeout=timeout,
-        quorum_timeout=timedelta(seconds=max(30.0, 3 * t.live_timeout_s)), store_addr=host, store_port=store.port,
+        quorum_timeout=timedelta(seconds=quorum_timeout_s(cfg)), store_addr=host, store_port=store.port,
         rank=0, world_size=1, lighthouse_addr=t.lighthouse or None, replica_id=name, hostname=host,
         heartbeat_interval=timedelta(milliseconds=100), checkpoint_transport=tf.Transport(host, timeout),
     )  # fmt: skip
@@ -300,8 +306,9 @@ def _manager(tf, member: Member, cfg: Config, host: str, name: str):
 
 def train(cfg: Config) -> dict:
     """Train as one live member; returns the last step's metrics, the steps this member saw fail and the steps
-    it joined at. RUN_DIR/live-HOST_PID.jsonl gets a line per step: loss, members (their PIDs), this member's rows,
-    seconds since the previous step (a failed attempt's included)."""
+    it joined at (also in RUN_DIR/live-HOST_PID-end.json). RUN_DIR/live-HOST_PID.jsonl gets a line per step it
+    committed: loss, members (their PIDs), this member's rows, seconds since the previous step (a failed attempt's
+    included)."""
     if found := problems(cfg):
         raise ConfigError("\n".join(found))
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir=cfg.train.run_dir or "runs/live"))
@@ -321,6 +328,11 @@ def train(cfg: Config) -> dict:
     run = Run(cfg, resumed)
     committed_at, failures = time.time(), 0  # the last step committed; attempts failed in a row since
     guess: tuple[int, int | None] = (1, None)  # the last quorum's (members, this member's rank)
+    seen: dict[int, float] = {}  # each member's PID: when a step this member committed last had it
+    # A call into torchft that never returns (none should: each has a timeout) ends the process with each thread's
+    # stack, after the loop's own check below had its chance: a replacement then joins as for any lost member.
+    watchdog = Watchdog(cfg.train.step_timeout_s + 2 * quorum_timeout_s(cfg))
+    watchdog.progress(member.step)
     try:
         with (out / f"live-{name}.jsonl").open("a") as f:
             while member.step < member.steps:
@@ -339,20 +351,57 @@ def train(cfg: Config) -> dict:
                     line = {**line, "s": round(time.time() - committed_at, 4)}  # failed attempts included
                     f.write(json.dumps(line) + "\n")
                     f.flush()
-                    run.committed(member, line)
+                    seen.update(dict.fromkeys(line["members"], time.time()))
+                    with watchdog.paused():  # the writer's evaluation and saves: waits of their own
+                        run.committed(member, line)
                     last, committed_at, failures = line, time.time(), 0
+                    watchdog.progress(member.step)
                     continue
+                if member.step >= member.steps:  # it copied the last step's state: the others ended without it
+                    manager.load_state_dict({"step": member.step, "batches_committed": member.step * cfg.train.batch_size})
+                    break
                 failures += 1
                 run.failed.append(member.step + 1)
                 log.warning(f"step {member.step + 1}: a member was lost; done again by the survivors")
                 if failures % 3 == 0:  # this member's view of the quorum may be stale (a dead member's store):
                     manager.shutdown(wait=False)  # a new incarnation asks afresh and copies a peer's state
                     store, manager = _manager(tf, member, cfg, host, name)
+            if seen:
+                recent = max(seen.values()) - cfg.train.live_timeout_s
+                _finish(tf, manager, member, {pid for pid, t in seen.items() if t >= recent}, quorum_timeout_s(cfg))
     finally:
+        watchdog.close()
         manager.shutdown(wait=False)
         run.close()
     np.save(out / f"live-{name}-params.npy", member.flat_params())  # what the tests compare
-    return {**last, "failed": run.failed, "healed_at": member.healed_at, "pid": os.getpid()}
+    end = {**last, "step": member.step, "failed": run.failed, "healed_at": member.healed_at, "pid": os.getpid()}
+    (out / f"live-{name}-end.json").write_text(json.dumps(end))  # its last step, whether committed or copied
+    return end
+
+
+def _finish(tf, manager, member: Member, expected: set[int], timeout_s: float) -> None:
+    """Stay in the quorum after the last step until every member of the last steps has it too. A member that fell
+    behind near the end (sitting steps out while it evaluated, or slowed) would otherwise find no quorum once the
+    others left, and wait train.step_timeout_s to fail; here it copies the last step's state from a peer (as any
+    joiner does) and joins these rounds. Each round adds nothing: the all-reduce carries each finished member's PID
+    in its rank's slot (a vector of 2n: the PID and config-tag slots, no gradient), and the round's members end once
+    every expected PID has been seen (at most timeout_s)."""
+    done, deadline = {os.getpid()}, time.time() + timeout_s
+    while not expected <= done and time.time() < deadline:
+        try:
+            manager.start_quorum()
+            n = manager.num_participants()
+            ids = np.zeros(2 * n, np.float32)  # no gradient: the PID and config-tag slots only
+            if manager.is_participating():
+                rank = manager.participating_rank()
+                ids[rank], ids[n + rank] = os.getpid(), member.tag
+            if manager.allreduce(tf.torch.from_numpy(ids), reduce_op=tf.ReduceOp.SUM).wait() and not manager.errored():
+                done |= {int(x) for x in ids[:n]} - {0}
+        except Exception as e:  # no quorum (the others have gone), or torchft's error: the run is done either way
+            log.info(f"stopped waiting for the others to end ({type(e).__name__}: {e})")
+            break
+    if missing := sorted(expected - done):
+        log.warning(f"ended without members {missing} having the last step (gone, or too far behind to join)")
 
 
 def _attempt(tf, manager, member: Member, guess: tuple[int, int | None]) -> tuple[dict | None, tuple]:
@@ -363,6 +412,10 @@ def _attempt(tf, manager, member: Member, guess: tuple[int, int | None]) -> tupl
     votes on the commit, and applies the step's update with the others."""
     early = member.contribution(*guess) if guess[1] is not None else None  # while the quorum forms
     n = manager.num_participants()  # waits for the quorum
+    if manager.current_step() >= member.steps:  # the others ended the run: their rounds (_finish) hand over its state
+        manager.allreduce(tf.torch.from_numpy(np.zeros(2 * n, np.float32)), reduce_op=tf.ReduceOp.SUM).wait()
+        manager.should_commit()  # applies the state copied from a peer, when the copy succeeded
+        return None, guess
     rank = manager.participating_rank() if manager.is_participating() else None
     rows = [int(i) for i in member.rows(n, rank)] if rank is not None else []
     if rank is None:

@@ -72,5 +72,11 @@ def check_rows(run_dir: Path, final: list[int], everyone: list[int], steps: int,
     return unlogged
 
 
+def end(run_dir: Path, pid: int) -> dict:
+    """What a member that ended wrote last: its final step (committed, or copied from a peer when the others ended
+    the run while it was behind), the steps it saw fail and those it joined at."""
+    return json.loads(next(run_dir.glob(f"live-*_{pid}-end.json")).read_text())
+
+
 def params(run_dir: Path, pid: int) -> np.ndarray:
     return np.load(next(run_dir.glob(f"live-*_{pid}-params.npy")))
