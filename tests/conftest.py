@@ -14,10 +14,14 @@ set_xla_flags()  # as `jdp train` does: compiled steps keep jdp's gradient bucke
 # (tests/test_parallel.py + test_train.py: 200 s against 154 s). `jdp train` processes the tests start use it.
 # Many tests compile the same small steps in fresh processes: share compiled programs within the session.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
     import tempfile
 
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jdp-test-xla-cache-")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    # removed by the process that made it (xdist's workers inherit it and end first): ~85 MB a session otherwise
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 import subprocess  # noqa: E402
@@ -37,6 +41,14 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 from jdp.job.launch import free_port  # noqa: E402
+
+
+def pytest_runtest_logreport(report):
+    """JDP_TEST_TIMES=FILE: every phase's seconds appended to FILE (nodeid, phase, seconds; tab-separated), from
+    the process that reports (with pytest-xdist, the controller): where CI's time goes, test by test."""
+    if (path := os.environ.get("JDP_TEST_TIMES")) and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(path, "a") as f:
+            f.write(f"{report.nodeid}\t{report.when}\t{report.duration:.2f}\n")
 
 
 class Results(list):
