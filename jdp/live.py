@@ -298,10 +298,15 @@ def _manager(tf, member: Member, cfg: Config, host: str, name: str):
         rank=0, world_size=1, lighthouse_addr=t.lighthouse or None, replica_id=name, hostname=host,
         heartbeat_interval=timedelta(milliseconds=100), checkpoint_transport=tf.Transport(host, timeout),
     )  # fmt: skip
-    # torchft counts its own steps from 0; a member resumed from a checkpoint (or cut off and asking again) is at
-    # its own. The quorum copies the state of the member furthest on to the others.
-    manager.load_state_dict({"step": member.step, "batches_committed": member.step * t.batch_size})
+    _at_member_step(manager, member)
     return store, manager
+
+
+def _at_member_step(manager, member: Member) -> None:
+    """torchft's step counter set to the member's. torchft counts its own steps from 0; a member resumed from a
+    checkpoint (or cut off and asking again) is at its own, and one that copied the last step has counted one more
+    commit. The quorum copies the state of the member furthest on to the others."""
+    manager.load_state_dict({"step": member.step, "batches_committed": member.step * member.cfg.train.batch_size})
 
 
 def train(cfg: Config) -> dict:
@@ -358,7 +363,7 @@ def train(cfg: Config) -> dict:
                     watchdog.progress(member.step)
                     continue
                 if member.step >= member.steps:  # it copied the last step's state: the others ended without it
-                    manager.load_state_dict({"step": member.step, "batches_committed": member.step * cfg.train.batch_size})
+                    _at_member_step(manager, member)  # so it joins _finish's rounds as one of those at the end
                     break
                 failures += 1
                 run.failed.append(member.step + 1)
