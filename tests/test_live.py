@@ -339,6 +339,12 @@ def test_a_partitioned_host_rejoins_and_a_killed_host_comes_back(tmp_path):
         hosts.kill(1)  # the host is lost: its launcher and its two members
         killed_step = lines(run, a)[-1]["step"]
         launchers[1].wait()
+        # host 1 comes back once hosts 0 and 2 have trained a step alone: a launcher started at once can bring its
+        # members into the quorum before the two find one without the dead members (a CI run saw step 13 hold one)
+        deadline = time.time() + 120
+        while not any(m["members"] == sorted([a, c]) for m in lines(run, a) if m["step"] > killed_step):
+            assert time.time() < deadline, "hosts 0 and 2 never went on without host 1"
+            time.sleep(0.1)
         launchers[1] = launch(1, "host1-again.log")  # it comes back: a new launcher, two new members
         b2 = members(1, "host1-again.log", 2, known=tuple(b))
         codes = [p.wait(timeout=300) for p in launchers]
