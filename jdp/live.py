@@ -210,9 +210,14 @@ class Member:
         weight, then n PID slots and n config-tag slots, its PID and tag in its rank's (a host copy the all-reduce
         may write into)."""
         batch = self.placed(windows(self.batches.stream, self.rows(n, rank), self.batches.seq_len))
+        return np.array(self.sums(self.params, batch, self.ids(n, rank)))
+
+    def ids(self, n: int, rank: int | None) -> np.ndarray:
+        """n PID slots then n config-tag slots, this member's PID and tag in its rank's (none without a rank)."""
         ids = np.zeros(2 * n, np.float32)
-        ids[rank], ids[n + rank] = os.getpid(), self.tag  # exact in float32 (both < 2**24)
-        return np.array(self.sums(self.params, batch, ids))
+        if rank is not None:
+            ids[rank], ids[n + rank] = os.getpid(), self.tag  # exact in float32 (both < 2**24)
+        return ids
 
     def apply(self, total: np.ndarray) -> dict:
         total = parallel.replicate(total[: self.size], self.mesh)
@@ -396,10 +401,7 @@ def _finish(tf, manager, member: Member, expected: set[int], timeout_s: float) -
         try:
             manager.start_quorum()
             n = manager.num_participants()
-            ids = np.zeros(2 * n, np.float32)  # no gradient: the PID and config-tag slots only
-            if manager.is_participating():
-                rank = manager.participating_rank()
-                ids[rank], ids[n + rank] = os.getpid(), member.tag
+            ids = member.ids(n, manager.participating_rank() if manager.is_participating() else None)  # no gradient
             if manager.allreduce(tf.torch.from_numpy(ids), reduce_op=tf.ReduceOp.SUM).wait() and not manager.errored():
                 done |= {int(x) for x in ids[:n]} - {0}
         except Exception as e:  # no quorum (the others have gone), or torchft's error: the run is done either way
@@ -418,7 +420,7 @@ def _attempt(tf, manager, member: Member, guess: tuple[int, int | None]) -> tupl
     early = member.contribution(*guess) if guess[1] is not None else None  # while the quorum forms
     n = manager.num_participants()  # waits for the quorum
     if manager.current_step() >= member.steps:  # the others ended the run: their rounds (_finish) hand over its state
-        manager.allreduce(tf.torch.from_numpy(np.zeros(2 * n, np.float32)), reduce_op=tf.ReduceOp.SUM).wait()
+        manager.allreduce(tf.torch.from_numpy(member.ids(n, None)), reduce_op=tf.ReduceOp.SUM).wait()
         manager.should_commit()  # applies the state copied from a peer, when the copy succeeded
         return None, guess
     rank = manager.participating_rank() if manager.is_participating() else None
