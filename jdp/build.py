@@ -13,7 +13,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jdp import parallel
+from jdp import hf, parallel, peft
 from jdp.config import Config, ParallelConfig
 from jdp.models import make_model
 from jdp.models.common import count_params, lm_loss
@@ -36,7 +36,10 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, model: nnx.Module | None = None)
 
     `model`: the parameters to start from (an import, jdp.hf.load_model); default a fresh model.arch from train.seed.
     """
-    model = model if model is not None else make_model(cfg.model, nnx.Rngs(cfg.train.seed))
+    if model is None:  # a fresh model (with its adapters): the structure and a step to compile, no import read
+        model = make_model(cfg.model, nnx.Rngs(cfg.train.seed))
+        if cfg.model.lora_rank:
+            peft.add_adapters(model, cfg.model, cfg.train.seed)
     n_params = count_params(model)
     optimizer, schedule = make_optimizer(cfg.optim, cfg.train.steps)
     p = cfg.parallel
@@ -44,6 +47,21 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, model: nnx.Module | None = None)
     a = parallel.assemble(model, lm_loss, optimizer, mesh, p, cfg.train.grad_accum, schedule, hook,
                           remat=Remat.of(cfg.model))
     return Built(a.graphdef, a.state, a.train_step, n_params, optimizer, hook)
+
+
+def run_model(cfg: Config) -> tuple[nnx.Module, hf.Imported | None]:
+    """The model a run of `cfg` starts from, and what an import read (None: made from train.seed): train.init_from's
+    or a fresh model.arch, with the adapters model.lora_* ask for (adapters.py), train.init_adapter's read in."""
+    imported = None
+    if cfg.train.init_from:
+        model, imported = hf.load_model(cfg.model, cfg.train.init_from)
+    else:
+        model = make_model(cfg.model, nnx.Rngs(cfg.train.seed))
+    if cfg.model.lora_rank:
+        peft.add_adapters(model, cfg.model, cfg.train.seed)
+        if cfg.train.init_adapter:
+            peft.load_adapter(model, cfg, cfg.train.init_adapter)
+    return model, imported
 
 
 def comm_hook(p: ParallelConfig, seed: int = 0) -> CommHook | None:

@@ -19,6 +19,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from jdp import adapters
 from jdp.config import Config, ConfigError
 from jdp.log import logger
 from jdp.rundir import RunDir
@@ -29,6 +30,8 @@ __all__ = [
     "Checkpoints",
     "SaveFailed",
     "abstract",
+    "base_fingerprint",
+    "check_base",
     "check_param_shapes",
     "check_data",
     "check_resumable",
@@ -68,8 +71,9 @@ RESUMABLE_CHANGES = {
     # checkpoint of every-step sync continues under DiLoCo and the reverse, and one of G groups with another number of
     # groups (a host lost or added: elastic membership); parallel/sync/diloco.py converts it.
     "parallel.outer_every", "parallel.outer_dtype", "parallel.sync", "parallel.groups",
-    # A resumed run starts from its own checkpoint: where its first weights came from no longer matters.
-    "train.init_from",
+    # A resumed run starts from its own checkpoint: where its first weights came from no longer matters (a frozen
+    # base, which checkpoints leave out, is checked by its fingerprint: check_base).
+    "train.init_from", "train.init_adapter",
     # Whether a resume may go on over changed data: it is checked against the data, not the saved config.
     "data.accept_changes",
     # A live run's checkpoint is a whole-copies one (live.py): a whole-job restart may go on live or not.
@@ -159,15 +163,60 @@ class _Refused(Exception):
 
 def _core(state) -> dict:
     """A TrainState's step, parameters, optimizer and other model state: a checkpoint's "state" item (the
-    communication hook's per-device states, when there are any, are its "comm" item)."""
-    return {k: getattr(state, k) for k in ("step", "params", "opt_state", "rest")}
+    communication hook's per-device states, when there are any, are its "comm" item). A frozen base (adapters.py)
+    is not saved: the run makes it again as it started (train.init_from), and the record's `base` fingerprint says
+    which base the adapters belong to."""
+    return {k: getattr(state, k) for k in ("step", "params", "opt_state")} | {"rest": _unfrozen(state.rest)}
 
 
 def _without_comm(state):
     """The state without its separately saved parts: the hook's per-device states ("comm") and DiLoCo's groups'
-    states ("inner"), each an item of its own with its own checksums."""
+    states ("inner"), each an item of its own with its own checksums, and the frozen base, which is not saved."""
     parts = {k: None for k in ("comm", "inner") if getattr(state, k, None) is not None}
+    if adapters.frozen(state.rest):
+        parts["rest"] = _unfrozen(state.rest)
     return dataclasses.replace(state, **parts) if parts else state
+
+
+def _unfrozen(rest):
+    """A model's other variables without the frozen base (unchanged when there is none)."""
+    return adapters.split_frozen(rest)[1] if adapters.frozen(rest) else rest
+
+
+def _inner(inner: dict) -> dict:
+    """DiLoCo's groups' states as saved: without the frozen base."""
+    return {**inner, "rest": _unfrozen(inner["rest"])}
+
+
+def base_fingerprint(rest) -> dict | None:
+    """What a frozen base is (adapters.py), for the record of every checkpoint of its adapters (None: nothing is
+    frozen): its leaves, elements and a checksum of their bits (each leaf's `checksums`, folded in order)."""
+    base = adapters.frozen(rest)
+    if not base:
+        return None
+    leaves, total = jax.tree.leaves(base), 0
+    for _, value in sorted(checksums(base).items()):
+        total = (total * 1_000_003 + value) % (1 << 61)
+    return {"leaves": len(leaves), "elements": int(sum(x.size for x in leaves)), "checksum": f"{total:016x}"}
+
+
+def check_base(record: dict, base: dict | None, cfg: Config) -> None:
+    """Refuse adapters saved for another base than this run's (its fingerprint differs), or a checkpoint whose
+    frozen base was or was not there as today's."""
+    saved = record.get("base")
+    if saved == base:
+        return
+    where = f"train.init_from={cfg.train.init_from}" if cfg.train.init_from else f"made from train.seed={cfg.train.seed}"
+    raise ConfigError(
+        f"refusing to resume: the adapters in the checkpoint at step {record['step']} were trained on another base "
+        f"model than this run's ({where}): saved {saved}, now {base}. Give the base they were trained on, or a new "
+        f"train.run_dir (or train.resume=false) to start over"
+    )
+
+
+def _refrozen(restored, like):
+    """A restored model's other variables with the frozen base of `like` (the state the run made) put back."""
+    return adapters.with_frozen(like, restored) if adapters.frozen(like) else restored
 
 
 class _ReadOnlyNotice(logging.Filter):
@@ -286,8 +335,8 @@ class Checkpoints:
             record["comm_checksums"] = checksums(comm)
             items["comm"] = ocp.args.StandardSave(comm)
         if (inner := getattr(state, "inner", None)) is not None:
-            record["inner_checksums"] = checksums(inner)
-            items["inner"] = ocp.args.StandardSave(inner)
+            record["inner_checksums"] = checksums(_inner(inner))
+            items["inner"] = ocp.args.StandardSave(_inner(inner))
         self.wait()  # orbax's save waits for the previous one anyway; this names that one's step if it failed
         self.writing = step
         try:
@@ -380,7 +429,8 @@ class Checkpoints:
             )
         return None
 
-    def restore_model(self, step: int | None, params_like, rest_like) -> tuple[int, object, object]:
+    def restore_model(self, step: int | None, params_like, rest_like, base: dict | None = None,
+                      cfg: Config | None = None) -> tuple[int, object, object]:  # fmt: skip
         """(step, params, rest): the model alone from the checkpoint at `step` (None: the newest that restores,
         warning past damaged ones), verified against the checksums saved with it. No optimizer state is read, so a
         checkpoint of any strategy or device count loads into `params_like`/`rest_like`'s shapes and placement:
@@ -390,7 +440,9 @@ class Checkpoints:
             raise ConfigError(f"{self.dir} has no checkpoint at step {step} (it has {steps or 'none'})")
         for s in [step] if step is not None else reversed(steps):
             try:
-                model = self._restore_model(s, {"params": params_like, "rest": rest_like})
+                model = self._restore_model(s, {"params": params_like, "rest": rest_like}, base, cfg)
+            except ConfigError:
+                raise
             except Exception as e:
                 if step is not None:
                     raise ConfigError(
@@ -401,9 +453,11 @@ class Checkpoints:
             return s, model["params"], model["rest"]
         raise ConfigError(f"none of the checkpoints {steps} in {self.dir} can be restored (see the warnings)")
 
-    def _restore_model(self, step: int, like: dict) -> dict:
+    def _restore_model(self, step: int, like: dict, base: dict | None = None, cfg: Config | None = None) -> dict:
         like = abstract(like)
         saved = self.manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
+        if cfg is not None:  # adapters are read onto the base they were trained on only
+            check_base(dict(saved), base, cfg)
         restore_args = ocp.checkpoint_utils.construct_restore_args(like)
         if _pads_rows(dict(saved)):  # fsdp's padded rows: cut to the parameters' own shapes
             check_param_shapes(dict(saved), like["params"])
@@ -452,16 +506,20 @@ class Checkpoints:
         if (inner := getattr(like, "inner", None)) is not None:
             if "inner_checksums" not in record:  # the config check refuses a changed parallel.sync before this
                 raise ValueError("it holds no groups' states (parallel.sync=diloco's); it was saved with another sync")
-            items["inner"] = ocp.args.StandardRestore(abstract(inner))
+            items["inner"] = ocp.args.StandardRestore(abstract(_inner(inner)))
         restored = self.manager.restore(step, args=ocp.args.Composite(**items, record=ocp.args.JsonRestore()))
         state = dataclasses.replace(state_like, **restored["state"])
         verify(_without_comm(state), record)
+        state = dataclasses.replace(state, rest=_refrozen(state.rest, state_like.rest))
         if read_comm:
             verify(restored["comm"], {"checksums": record["comm_checksums"]})
             state = dataclasses.replace(state, comm=restored["comm"])
         if inner is not None:
             verify(restored["inner"], {"checksums": record["inner_checksums"]})
-            state = dataclasses.replace(state, inner=restored["inner"])
+            groups = restored["inner"]
+            if state_like.inner is not None:  # the base each group holds, as the run made it
+                groups = {**groups, "rest": _refrozen(groups["rest"], state_like.inner["rest"])}
+            state = dataclasses.replace(state, inner=groups)
         return state, record
 
     def _damaged(self, step: int, e: Exception) -> None:
@@ -554,6 +612,7 @@ def make_record(
     data_state: dict | None = None,
     fingerprint: dict | None = None,
     groups: int | None = None,
+    base: dict | None = None,
 ) -> dict:
     """A checkpoint's JSON record beside its arrays: what resuming checks and needs besides the train state (the
     config it was trained with, where the data stood, how the optimizer state is laid out, the hook's state)."""
@@ -572,6 +631,8 @@ def make_record(
         record["comm"] = comm
     if groups is not None:  # parallel.sync=diloco: how many groups' states the checkpoint holds
         record["groups"] = groups
+    if base is not None:  # adapters: the frozen base they belong to (not saved: base_fingerprint)
+        record["base"] = base
     return record
 
 
@@ -627,28 +688,36 @@ def check_data(record: dict, fingerprint: dict | None, cfg: Config) -> None:
     )
 
 
-def load(run_dir: str | Path, model, step: int | None = None, *, with_step: bool = False):
+def load(run_dir: str | Path, model, step: int | None = None, *, with_step: bool = False, cfg: Config | None = None):
     """A run's trained model, for inference or a loop of your own (`jdp.load`): `model` (a module of the run's
     architecture, or a function that makes one: only its structure and shapes are used, nothing is computed) with
     the parameters and other variables (BatchNorm's statistics, ...) of the checkpoint at `step` (None: the newest
     that restores, past damaged ones), on one device. Any strategy and any number of devices or processes may have
     written it: only the model is read, no optimizer state, checked against the checksums saved with it.
-    `with_step=True` returns (step, model)."""
+    `with_step=True` returns (step, model). A run of adapters (adapters.py) saved no base: `model` holds it (or
+    makes it, called), and with the run's `cfg` it is checked to be the base the adapters were trained on."""
     run = RunDir(run_dir)
     run.check_contained()
     if not run.checkpoints.is_dir():
         raise ConfigError(f"{run_dir} has no checkpoint yet (no {run.checkpoints}); train it first")
     if callable(model) and not isinstance(model, nnx.Module):
-        model = nnx.eval_shape(model)
+        shapes = nnx.eval_shape(model)
+        # A frozen base is not in checkpoints (adapters.py): the model that holds it is made for real
+        model = model() if adapters.frozen(nnx.state(shapes)) else shapes
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    base = adapters.frozen(rest)
+    if base and any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(base)):
+        raise ConfigError("the model's frozen base has shapes, not values: checkpoints of adapters hold no base; give "
+                          "the model with its base weights (or a function that makes it)")  # fmt: skip
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    params, rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), (params, rest))
+    params, others = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
+                                  (params, _unfrozen(rest)))  # fmt: skip
     ckpts = Checkpoints(run.path, keep=1, read_only=True)  # a training run may be writing next to us
     try:
         if not ckpts.steps():
             raise ConfigError(f"{run_dir} has no checkpoint yet ({ckpts.dir} is empty); train it first")
-        step, params, rest = ckpts.restore_model(step, params, rest)
+        step, params, others = ckpts.restore_model(step, params, others, base_fingerprint(rest), cfg)
     finally:
         ckpts.close()
-    loaded = nnx.merge(graphdef, params, rest)
+    loaded = nnx.merge(graphdef, params, _refrozen(others, jax.device_put(rest, one)))
     return (step, loaded) if with_step else loaded

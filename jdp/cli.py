@@ -152,6 +152,8 @@ def export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by jdp train")
     p.add_argument("out_dir", metavar="OUT_DIR", help="the directory to write (must not exist, or be empty)")
     p.add_argument("--step", type=int, help="the checkpoint at this step (default: the newest that restores)")
+    p.add_argument("--adapter", action="store_true",
+                   help="a LoRA run's adapters alone, in PEFT's format (adapter_model.safetensors, adapter_config.json)")
 
 
 def _plan(args: argparse.Namespace) -> int:

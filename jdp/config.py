@@ -16,6 +16,7 @@ import yaml
 from jdp import models
 from jdp.data import formats
 from jdp.errors import ConfigError
+from jdp.models import lora_names
 from jdp.models.config import SHARED_KEYS, ModelConfig
 from jdp.parallel import strategies, sync
 from jdp.rundir import RunDir
@@ -139,6 +140,9 @@ class TrainConfig:
     wandb_project: str = ""  # a Weights & Biases project name switches W&B logging on (needs `pip install wandb`)
     compile_cache: bool = True  # JAX's persistent compilation cache under the jdp cache: restarts skip compiling
     init_from: str = ""  # a local Hugging Face GPT-2 directory to start from (a resumed run uses its checkpoint)
+    # a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to go on training from, on the base
+    # of train.init_from; model.lora_* are taken from it (a resumed run uses its checkpoint)
+    init_adapter: str = ""
     callbacks: str = ""  # module:name[,module:name]: jdp.Callback objects of your own, run after jdp's (callbacks.py)
     memory_check: bool = True  # refuse, before allocating, a run whose planned bytes per device exceed the device's
     live: bool = False  # live membership (torchft): a lost process costs one step, a joiner copies a peer (live.py)
@@ -471,12 +475,14 @@ RANGES = {
         ["model.vocab_valid", "data.val_tokens", "data.prefetch", "data.num_proc", "train.eval_every", "train.ckpt_every",
          "train.max_bad_steps", "train.check_replicas_every", "optim.warmup_steps", "optim.weight_decay",
          "optim.grad_clip", "parallel.bucket_mb", "parallel.powersgd_warmup", "model.n_kv_heads", "model.d_ff",
-         "model.head_dim", "parallel.groups", "parallel.outer_delay"],
+         "model.head_dim", "parallel.groups", "parallel.outer_delay", "model.lora_rank"],
         _NON_NEGATIVE,
     ),
     **dict.fromkeys(["optim.b1", "optim.b2", "optim.momentum", "parallel.outer_momentum", "parallel.outer_mix",
                      "optim.muon_momentum"], _FRACTION),
     "optim.muon_lr": _NON_NEGATIVE,
+    "model.lora_alpha": _POSITIVE,
+    "model.lora_dropout": _FRACTION,
     "optim.muon_ns_steps": _POSITIVE,
     "optim.muon_ns_coeffs": (_coeffs_ok, "3 numbers (a,b,c of every Newton-Schulz step) or 3 per step"),
     "optim.min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
@@ -487,6 +493,7 @@ CHOICES = {
     "model.param_dtype": DTYPES,
     "model.attention": ("auto", "einsum", "xla", "cudnn"),
     "model.remat": ("none", "dots", "full"),
+    "model.base_dtype": ("", *DTYPES),
     "model.arch": models.names,  # the families, those registered later too
     "data.encoding_errors": ("strict", "replace", "ignore"),
     "data.text_unit": ("file", "line", "paragraph"),
@@ -589,10 +596,28 @@ def optim_problems(o: OptimConfig) -> list[str]:
     return []
 
 
+def lora_problems(cfg: Config) -> list[str]:
+    """model.lora_* (lora_names.problems), and what LoRA does not go with yet, by name."""
+    m, out = cfg.model, lora_names.problems(cfg.model)
+    if cfg.train.init_adapter and not m.lora_rank:
+        out.append(f"train.init_adapter={cfg.train.init_adapter} with model.lora_rank=0: the adapter's rank is read "
+                   f"from it by `jdp train`; set model.lora_rank for a library run")  # fmt: skip
+    if not m.lora_rank:
+        return out
+    if cfg.train.live:
+        out.append("model.lora_rank with train.live=true: live membership trains every parameter (docs/live.md); "
+                   "train adapters without train.live")  # fmt: skip
+    if cfg.optim.name == "muon":
+        out.append("model.lora_rank with optim.name=muon: Muon orthogonalises whole weight matrices, and LoRA's "
+                   "factors A and B are not; use optim.name=adamw (PEFT's and TRL's)")  # fmt: skip
+    return out
+
+
 def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Derived:
     """Everything about the config alone that can be wrong, checked before data or compilation."""
     m, d, t, par = cfg.model, cfg.data, cfg.train, cfg.parallel
     problems = _value_problems(cfg) + models.problems(m) + mixture_problems(d) + optim_problems(cfg.optim)
+    problems += lora_problems(cfg)
     if d.streaming and d.format in formats.names() and not (fmt := formats.get(d.format)).streams:
         problems.append(f"data.format={d.format} with data.streaming=true: streamed {fmt.what} is not supported yet")
     if d.seq_len > m.max_seq_len:

@@ -10,7 +10,8 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from jdp import checkpoint, decode, hf
+from jdp import adapters, checkpoint, decode, hf, peft
+from jdp.build import run_model
 from jdp.config import Config, ConfigError, DataConfig, load_config
 from jdp.data.tokens import ByteTokenizer, HFTokenizer, load_tokenizer
 from jdp.log import logger
@@ -73,7 +74,10 @@ def load_run(run_dir: str | Path, step: int | None = None) -> tuple[Config, nnx.
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     # The model's structure and shapes (nothing is computed): the checkpoint's model alone is read into it, on one
     # device, whatever strategy or device count wrote it, and checked against its checksums.
-    step, model = checkpoint.load(run_dir, lambda: make_model(cfg.model, nnx.Rngs(0)), step, with_step=True)
+    # Adapters' checkpoints hold no base: the run's base is made again (read from train.init_from, or drawn from
+    # train.seed) and checked against the fingerprint its checkpoints keep.
+    make = (lambda: run_model(cfg)[0]) if cfg.model.lora_rank else (lambda: make_model(cfg.model, nnx.Rngs(0)))
+    step, model = checkpoint.load(run_dir, make, step, with_step=True, cfg=cfg)
     return cfg, model, tokenizer, step
 
 
@@ -175,9 +179,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def export(args: argparse.Namespace) -> int:
-    """`jdp export RUN_DIR OUT_DIR [--step N]`: a checkpoint as a GPT-2 directory transformers loads."""
+    """`jdp export RUN_DIR OUT_DIR [--step N] [--adapter]`: a checkpoint as a Hugging Face directory transformers
+    loads (a run's adapters folded into its weights), or with --adapter its adapters alone in PEFT's format."""
     cfg, model, _, step = load_run(args.run_dir, args.step)
-    files = hf.export(model, cfg, args.out_dir, cfg.data.tokenizer)
+    if getattr(args, "adapter", False):
+        if not cfg.model.lora_rank:
+            raise ConfigError(f"{args.run_dir} trained every parameter (model.lora_rank=0): it has no adapters to "
+                              f"write; leave out --adapter to export the model")  # fmt: skip
+        files = peft.save_adapter(model, cfg, args.out_dir)
+        print(f"jdp | {args.run_dir}: the adapters at step {step} -> {args.out_dir}: {', '.join(files)} (PEFT's "
+              f"format, for the base {cfg.train.init_from or 'this run made from train.seed'})")  # fmt: skip
+        return 0
+    files = hf.export(adapters.merged(model) if cfg.model.lora_rank else model, cfg, args.out_dir, cfg.data.tokenizer)
     note = " (byte tokenizer: ids 0-255 are bytes, 256 ends a document)" if cfg.data.tokenizer == "byte" else ""
+    note += " (the adapters folded into the weights)" if cfg.model.lora_rank else ""
     print(f"jdp | {args.run_dir}: checkpoint at step {step} -> {args.out_dir}: {', '.join(files)}{note}")
     return 0

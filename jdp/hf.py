@@ -75,7 +75,8 @@ TOKENIZER_FILES = (
     "added_tokens.json", "tokenizer.model", "chat_template.jinja", "chat_template.json",
 )  # fmt: skip
 # ModelConfig's fields that are how a run computes, not what the model is: config.json never sets them.
-_RUN_SETTINGS = ("dtype", "param_dtype", "attention", "vocab_valid")
+_RUN_SETTINGS = ("dtype", "param_dtype", "attention", "vocab_valid", "remat", "remat_every", "lora_rank", "lora_alpha",
+                 "lora_dropout", "lora_targets", "lora_rslora", "lora_modules_to_save", "base_dtype")
 
 
 def architectures() -> dict:

@@ -9,8 +9,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jdp import hf, live
-from jdp.build import comm_hook
+from jdp import hf, live, peft
+from jdp.build import comm_hook, run_model
 from jdp.config import Config, ConfigError, Derived
 from jdp.data.dataset import Source
 from jdp.data.pipeline import Data, load_data
@@ -19,7 +19,6 @@ from jdp.job.world import World
 from jdp.log import logger
 from jdp.memory import check_memory
 from jdp.metrics import flops_per_token
-from jdp.models import make_model
 from jdp.models.common import lm_loss
 from jdp.optim import make_optimizer
 from jdp.trainer import Trainer
@@ -34,7 +33,7 @@ def train(cfg: Config, world: World | None = None, explicit: frozenset[str] = fr
     keys the user set on the command line (`model.d_model`, ...), which an import must agree with."""
     if cfg.train.live:  # each process one member of torchft's quorum, not one part of a JAX job (live.py)
         return live.train(cfg)
-    cfg, adopted = checked_import(cfg, explicit) if cfg.train.init_from else (cfg, [])
+    cfg, adopted = checked_import(cfg, explicit) if cfg.train.init_from or cfg.train.init_adapter else (cfg, [])
     return LanguageModel(cfg, world, adopted).fit()
 
 
@@ -71,21 +70,21 @@ class LanguageModel(Trainer):
         return f"reading {self.cfg.train.init_from}" if self.cfg.train.init_from else "building the model"
 
     def make_model(self) -> nnx.Module:
-        if self.cfg.train.init_from:
-            model, self.imported = hf.load_model(self.cfg.model, self.cfg.train.init_from)
-            return model
-        return make_model(self.cfg.model, nnx.Rngs(self.cfg.train.seed))
+        model, self.imported = run_model(self.cfg)
+        return model
 
     def model_factory(self):
-        if self.cfg.train.init_from:
+        if self.cfg.train.init_from or self.cfg.train.init_adapter:
             return None  # an import's host tensors are placed row by row (OptLayout.place)
-        return lambda: make_model(self.cfg.model, nnx.Rngs(self.cfg.train.seed))
+        return lambda: run_model(self.cfg)[0]
 
     def describe_model(self, n_params: int, peak: float, peak_source: str) -> str:
-        return (
-            f"model {n_params:,} parameters | {flops_per_token(self.cfg) / 1e6:.1f} MFLOPs/token | MFU peak: "
-            f"{peak / 1e12:.3g} TFLOP/s, {peak_source}"
-        )
+        m = self.cfg.model
+        trained = f"model {n_params:,} parameters"
+        if m.lora_rank:
+            trained = (f"model: LoRA rank {m.lora_rank} on {m.lora_targets} ({n_params:,} parameters train; the base "
+                       f"is frozen{f', in {m.base_dtype}' if m.base_dtype else ''})")  # fmt: skip
+        return f"{trained} | {flops_per_token(self.cfg) / 1e6:.1f} MFLOPs/token | MFU peak: {peak / 1e12:.3g} TFLOP/s, {peak_source}"
 
     def flops_per_unit(self) -> float:
         return flops_per_token(self.cfg)
@@ -152,6 +151,21 @@ class Text(Source):
 
 
 def checked_import(cfg: Config, explicit: frozenset[str] = frozenset()) -> tuple[Config, list[str]]:
+    """The config with train.init_from's model and train.init_adapter's model.lora_* (PEFT's adapter_config.json):
+    (config, what the imports changed, to print at start)."""
+    cfg, changes = _checked_base(cfg, explicit) if cfg.train.init_from else (cfg, [])
+    if not cfg.train.init_adapter:
+        return cfg, changes
+    m, adapter_changes, conflicts = peft.adopted(cfg.model, cfg.train.init_adapter, explicit)
+    if conflicts:
+        raise ConfigError(
+            f"train.init_adapter={cfg.train.init_adapter}: the command line contradicts its adapter:\n  "
+            + "\n  ".join(conflicts) + "\nLeave these keys out (the import takes the adapter's) or set them to agree"
+        )  # fmt: skip
+    return dataclasses.replace(cfg, model=m), changes + adapter_changes
+
+
+def _checked_base(cfg: Config, explicit: frozenset[str]) -> tuple[Config, list[str]]:
     """The config with train.init_from's model: (config, what the import changed, to print at start).
 
     The model's keys come from the directory's config.json, and data.seq_len is lowered to its positions, except

@@ -9,11 +9,17 @@ dropout on. The model never sees a mesh: jdp's step fills in the rows and the st
 
 from __future__ import annotations
 
-__all__ = ["RowDropout", "RowIds", "RowKey"]
+__all__ = ["Frozen", "RowDropout", "RowIds", "RowKey"]
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+
+class Frozen(nnx.Variable):
+    """A parameter that does not train: no gradient is computed for it, no optimizer state kept, no collective
+    carries it, and checkpoints leave it out (a fingerprint of it is kept instead). LoRA's base (jdp/adapters.py)
+    is made of these; jdp's step splits them off the other variables before anything is differentiated."""
 
 
 class RowKey(nnx.Variable):

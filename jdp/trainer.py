@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -29,6 +30,8 @@ from jdp import jax_private, parallel
 from jdp.callbacks import Callback, Checkpoint, Evaluate, ReplicaCheck, imported
 from jdp.checkpoint import (
     Checkpoints,
+    base_fingerprint,
+    check_base,
     check_data,
     check_param_shapes,
     check_resumable,
@@ -173,7 +176,7 @@ class Trainer:
 
     def saved_model(self) -> nnx.Module:
         """The model of the run's newest checkpoint, on one device."""
-        return load(self.cfg.train.run_dir, self.model_factory() or self.make_model())
+        return load(self.cfg.train.run_dir, self.model_factory() or self.make_model(), cfg=self.cfg)
 
     def describe_model(self, n_params: int, peak: float, peak_source: str) -> str:
         return f"model {n_params:,} parameters | MFU peak: {peak / 1e12:.3g} TFLOP/s, {peak_source}"
@@ -317,6 +320,7 @@ class Trainer:
 
         def check(record):
             check_resumable(record, cfg)
+            check_base(record, steps.base, cfg)
             check_param_shapes(record, steps.state.param_shapes())
             moving = steps.conversion(record) is not None
             if moving and parallel.layout_of(saved_layout(record)).flat:
@@ -375,6 +379,11 @@ class Steps:
         """How many DiLoCo groups' states the state holds (None: every step agrees)."""
         return self.state.groups()
 
+    @functools.cached_property
+    def base(self) -> dict | None:
+        """The frozen base's fingerprint (adapters.py), which checkpoints keep in its stead; None: none is frozen."""
+        return base_fingerprint(self.state.rest)
+
     def conversion(self, record: dict):
         """The sync module that moves this checkpoint's state to today's way of syncing; None when it is today's."""
         saved = saved_sync(record)
@@ -420,10 +429,10 @@ class Steps:
         schedule, the same on every process), read when the record is made; `data_print`: what the data is."""
         layout, comm = self.layout.to_record(), self.comm
         shapes = [list(x.shape) for x in jax.tree.leaves(self.state.param_shapes())]
-        groups = self.groups
+        groups, base = self.groups, self.base
         return lambda step: make_record(cfg, step, optimizer_layout=layout, comm=comm, param_shapes=shapes,
                                         data_state=data_state() if data_state else None,
-                                        fingerprint=data_print, groups=groups)  # fmt: skip
+                                        fingerprint=data_print, groups=groups, base=base)  # fmt: skip
 
 
 def apply_xla_options(cfg: Config) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SHARED_KEYS", "ModelConfig"]
+__all__ = ["LORA_KEYS", "SHARED_KEYS", "ModelConfig"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,18 @@ class ModelConfig:
     # recompute attention, norms and activations: MaxText's minimal) or full (keep each block's input only)
     remat: str = "none"
     remat_every: int = 1  # recompute blocks 0, N, 2N, ... and keep the others' activations (1: every block)
+    # LoRA (jdp/adapters.py, docs/adapters.md): the rank r of the adapters on the targeted linear layers; 0: off,
+    # every parameter trains. With r > 0 only the adapters (and lora_modules_to_save) train; the base is frozen
+    lora_rank: int = 0
+    lora_alpha: float = 8.0  # the adapters' output is scaled by lora_alpha / r (PEFT's default alpha, 8)
+    lora_dropout: float = 0.0  # dropout on the adapters' input (PEFT's lora_dropout)
+    # which linear layers get adapters, by the names PEFT's target_modules uses for the family (Llama's q_proj,
+    # k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; GPT-2's c_attn, c_proj, c_fc), or all-linear (every
+    # linear layer but the output head)
+    lora_targets: str = "all-linear"
+    lora_rslora: bool = False  # scale by lora_alpha / sqrt(r) (rsLoRA, PEFT's use_rslora)
+    lora_modules_to_save: str = ""  # modules that train whole beside the adapters (PEFT's names: embed_tokens, lm_head)
+    base_dtype: str = ""  # the frozen base's dtype (bfloat16 halves its bytes); "": model.param_dtype
 
     @property
     def kv_heads(self) -> int:
@@ -60,4 +72,7 @@ class ModelConfig:
 
 # The keys every family reads (the rest are a family's own: its KEYS).
 SHARED_KEYS = ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "dtype", "param_dtype", "attention",
-               "vocab_valid", "arch", "norm_eps", "pad_id", "remat", "remat_every")  # fmt: skip
+               "vocab_valid", "arch", "norm_eps", "pad_id", "remat", "remat_every", "lora_rank", "lora_alpha",
+               "lora_dropout", "lora_targets", "lora_rslora", "lora_modules_to_save", "base_dtype")  # fmt: skip
+# The LoRA keys: read only with model.lora_rank > 0
+LORA_KEYS = ("lora_alpha", "lora_dropout", "lora_targets", "lora_rslora", "lora_modules_to_save", "base_dtype")

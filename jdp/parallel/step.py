@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdp import muon
+from jdp import adapters, muon
 from jdp.errors import ConfigError
 from jdp.nn import RowIds, RowKey
 from jdp.parallel.buckets import Bucket, bucket_plan
@@ -326,18 +326,31 @@ def local_sums(graphdef, loss_fn: LossFn, grad_accum: int, forward=None, axes=AX
         raise ConfigError(f"grad_accum={grad_accum!r} must be a whole number of micro-batches per step, 1 or more")
     loss_fn = checked_loss(loss_fn)
 
-    def loss_of(params, rest, micro):
+    def loss_of(params, rest, micro, base):
+        # `base`: the frozen parameters (nn.Frozen: LoRA's, adapters.py), or None. A constant of the forward: it is
+        # not differentiated, not carried through the micro-batches, not averaged over the devices with the other
+        # variables; `sums` puts it back into the state untouched.
+        whole = rest if base is None else nnx.merge_state(base, rest)
         if forward is not None:
-            return forward(loss_fn, params, rest, micro)
-        # New variables, made in this trace (copy=True): the forward may write them (BatchNorm's statistics, the
-        # rng counts), and NNX refuses writes to variables that come from an outer trace.
-        model = nnx.merge(graphdef, params, rest, copy=True)
-        loss, weight = loss_fn(model, micro)
-        return loss, (weight, nnx.split(model, nnx.Param, ...)[2])
+            loss, (weight, new) = forward(loss_fn, params, whole, micro)
+        else:
+            # New variables, made in this trace (copy=True): the forward may write them (BatchNorm's statistics, the
+            # rng counts), and NNX refuses writes to variables that come from an outer trace.
+            model = nnx.merge(graphdef, params, whole, copy=True)
+            loss, weight = loss_fn(model, micro)
+            new = nnx.split(model, nnx.Param, ...)[2]
+        return loss, (weight, new if base is None else adapters.split_frozen(new)[1])
 
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
 
     def sums(params, rest, batch, step):
+        base, others = adapters.split_frozen(rest)
+        if not jax.tree.leaves(base):
+            return trained(params, rest, batch, step, None)
+        grads, loss, weight, new = trained(params, others, batch, step, base)
+        return grads, loss, weight, adapters.with_frozen(rest, new)
+
+    def trained(params, rest, batch, step, base):
         # Differentiate with respect to a per-device ("varying") view of the replicated parameters.
         # Differentiating the replicated value itself would make shard_map's autodiff insert a psum,
         # silently giving the *sum* over devices: the classic N-times-too-large gradient.
@@ -349,7 +362,7 @@ def local_sums(graphdef, loss_fn: LossFn, grad_accum: int, forward=None, axes=AX
             # No loop: the gradients leave backward one layer at a time, so each bucket's all-reduce can start
             # while earlier layers are still being differentiated.
             seeded = _seeded(rest, step, None, first + jnp.arange(rows), axes)
-            (loss, (weight, new)), grads = grad_fn(params, seeded, batch)
+            (loss, (weight, new)), grads = grad_fn(params, seeded, batch, base)
             return grads, loss, weight, _replicated(_unseeded(new, rest), rest, axes)
         # Micro-batch m holds rows m, m + grad_accum, m + 2 grad_accum, ... of each device: over the devices,
         # the global rows congruent to m, whatever the device count, so batch statistics (SyncBatchNorm) and
@@ -361,7 +374,7 @@ def local_sums(graphdef, loss_fn: LossFn, grad_accum: int, forward=None, axes=AX
         def one(carry, xs):
             mb, m = xs
             g_acc, l_acc, w_acc, state = carry
-            (loss, (weight, new)), grads = grad_fn(params, _seeded(state, step, m, first + m + strided, axes), mb)
+            (loss, (weight, new)), grads = grad_fn(params, _seeded(state, step, m, first + m + strided, axes), mb, base)
             new = _per_device(_unseeded(new, state), axes)
             return (jax.tree.map(jnp.add, g_acc, grads), l_acc + loss, w_acc + weight, new), None
 

@@ -35,6 +35,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jdp import adapters
 from jdp.errors import ConfigError
 from jdp.parallel import strategies
 from jdp.parallel.costs import BLOCK, payload_bytes
@@ -253,9 +254,11 @@ def make_outer_step(mesh, outer: Outer, dtype: str, leaves: tuple[int, ...], wri
             mine_digest = mine_digest * jnp.uint32(31) + leaf_digest(new_t[k])
         digests = jax.lax.all_gather(mine_digest, (GROUP, *inside), tiled=False)  # a few bytes, once a sync
         unflat = lambda v: jax.tree.unflatten(tree, v)  # noqa: E731
+        # The groups' other variables averaged (BatchNorm's statistics); a frozen base (adapters.py) is not sent
         rest = jax.tree.map(lambda r: jax.lax.pmean(r[0], GROUP) if jnp.issubdtype(r.dtype, jnp.inexact) else r[0],
-                            inner_rest)  # fmt: skip
-        rest_g = jax.tree.map(lambda v: v[None], rest) if rest_too else inner_rest
+                            adapters.split_frozen(inner_rest)[1])  # fmt: skip
+        rest_g = adapters.with_frozen(inner_rest, jax.tree.map(lambda v: v[None], rest)) if rest_too else inner_rest
+        rest = adapters.with_frozen(jax.tree.map(lambda r: r[0], inner_rest), rest)
         norm2_avg = sum(jnp.sum(jnp.square(a)) for a in avg)
         metrics = {
             "outer_grad_norm": jnp.sqrt(jax.lax.psum(norm2_avg, rows) if rows else norm2_avg),

@@ -1,0 +1,305 @@
+"""LoRA (model.lora_rank, jdp/adapters.py, jdp/peft.py): peft's logits and adapter gradients on peft-saved
+adapters, 4 devices = 1 under every strategy with the base untouched and stateless, exact resume and a refused
+other base, PEFT's files out and back in, and the config's refusals.
+
+The references are tests/data/lora-hf-*-tiny, made by scripts/make_lora_fixture.py with torch and peft (CI needs
+neither); test_peft_loads_jdps_export_... checks an export with peft itself where it is installed (CI's oldest
+stack)."""
+
+import dataclasses
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from test_llama import CFG, batch
+from test_parallel import params_close
+
+from jdp import adapters, parallel, peft
+from jdp.build import run_model
+from jdp.config import ConfigError, OptimConfig, ParallelConfig, explicit_keys, load_config, validate
+from jdp.lm import checked_import, train
+from jdp.metrics import read_metrics
+from jdp.models import lora_names, make_model
+from jdp.models.common import lm_loss
+from jdp.nn import Frozen
+from jdp.optim import make_optimizer
+
+DATA = Path(__file__).parent / "data"
+FIXTURES = pytest.mark.parametrize("base", ["hf-llama-tiny", "hf-qwen2-tiny"])
+
+
+def fixture_config(base: str, *extra: str):
+    """`jdp train` over the fixture base with the peft-saved adapter beside it, as the command line makes it."""
+    overrides = [f"train.init_from={DATA / base}", f"data.tokenizer={DATA / base}", "train.run_dir=unused",
+                 f"train.init_adapter={DATA / ('lora-' + base)}", *extra]  # fmt: skip
+    return checked_import(load_config(None, overrides), explicit_keys(overrides))
+
+
+def lm_batch(inputs: np.ndarray) -> dict:
+    """The fixture's loss: every next token of `inputs` (the last position has none)."""
+    weights = np.ones(inputs.shape, np.float32)
+    weights[:, -1] = 0
+    return {"inputs": inputs, "targets": np.roll(inputs, -1, axis=1), "weights": weights}
+
+
+@FIXTURES
+def test_peft_saved_adapters_give_peft_logits_and_gradients(base):
+    """jdp reads peft's files and computes peft's forward (1e-5) and the adapters' gradients (1e-5 of the largest):
+    A and B transposed, the scale (alpha / r; rsLoRA's alpha / sqrt(r)), the targets, lm_head trained whole."""
+    ref = DATA / f"lora-{base}"
+    cfg, changes = fixture_config(base)
+    m = cfg.model
+    spec = json.loads((ref / peft.ADAPTER_CONFIG).read_text())
+    assert (m.lora_rank, m.lora_alpha, m.lora_rslora) == (spec["r"], spec["lora_alpha"], spec["use_rslora"])
+    assert any(c.startswith("model.lora_rank 0 -> ") for c in changes), changes
+    model, _ = run_model(cfg)
+    inputs = np.load(DATA / base / "inputs.npy")
+    logits = np.load(ref / "logits.npy")
+    V = logits.shape[-1]
+    ours = np.asarray(model(inputs))[..., :V]
+    assert np.abs(ours - logits).max() < 1e-5
+    base_model, _ = run_model(dataclasses.replace(cfg, model=dataclasses.replace(m, lora_rank=0, lora_alpha=8.0,
+                              lora_targets="all-linear", lora_rslora=False, lora_modules_to_save="")))  # fmt: skip
+    assert np.abs(np.asarray(base_model(inputs))[..., :V] - logits).max() > 1e-2  # the adapters move the logits
+
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(p):
+        return lm_loss(nnx.merge(graphdef, p, rest), lm_batch(inputs))[0]
+
+    value, grads = jax.value_and_grad(loss)(params)
+    assert abs(float(value) - float(np.load(ref / "loss.npy"))) < 1e-4 * float(value)
+    expected = dict(np.load(ref / "grads.npz"))
+    modules = lora_names.names(m).modules
+    found = {}
+    for path, g in nnx.to_flat_state(grads):
+        g, module = np.asarray(g[...]), peft._PREFIX + modules[tuple(path[:-1])]
+        name = {"lora_a": ".lora_A.weight", "lora_b": ".lora_B.weight"}.get(path[-1], ".weight")
+        found[module + name] = g if path[-1] == "embedding" else g.T
+    assert found.keys() == expected.keys()
+    for name, g in expected.items():
+        mine = found[name][: g.shape[0]]  # lm_head: jdp's padded vocabulary rows beyond peft's (no gradient)
+        assert np.abs(mine - g).max() <= 1e-5 * np.abs(g).max(), name
+
+
+def test_every_parameter_but_the_adapters_is_frozen_and_they_start_as_peft_does():
+    model = adapters.add(make_model(CFG, nnx.Rngs(0)), ["q", "v"], rank=4, alpha=8.0, train=["lm_head"])
+    params = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    lora = {k for k in params if k.endswith(("lora_a", "lora_b"))}
+    assert lora == {f"blocks.{i}.attn.{x}.{ab}" for i in range(2) for x in "qv" for ab in ("lora_a", "lora_b")}
+    assert set(params) - lora == {"lm_head.kernel"}
+    base = nnx.state(model, Frozen)
+    assert len(jax.tree.leaves(base)) == len(jax.tree.leaves(nnx.state(make_model(CFG, nnx.Rngs(0)), nnx.Param))) - 1
+    a = np.asarray(params["blocks.0.attn.q.lora_a"][...])  # U(-1/sqrt(in), 1/sqrt(in)), B zero: the base's output
+    assert np.abs(a).max() <= 1 / np.sqrt(CFG.d_model) and np.abs(a).max() > 0.5 / np.sqrt(CFG.d_model)
+    assert not np.any(np.asarray(params["blocks.0.attn.q.lora_b"][...]))
+    tokens = np.arange(16).reshape(2, 8) % CFG.vocab_size
+    np.testing.assert_array_equal(np.asarray(model(tokens)), np.asarray(make_model(CFG, nnx.Rngs(0))(tokens)))
+    with pytest.raises(ValueError, match="match none of the model's linear layers"):
+        adapters.add(make_model(CFG, nnx.Rngs(0)), ["q_proj"], rank=4, alpha=8.0)
+
+
+# ---- 4 devices = 1, the base untouched, no state for it ---------------------------------------------------------
+
+STRATEGIES = {"ddp": {}, "zero1": {}, "fsdp": {}, "hsdp": {"shard_size": 2}, "ddp-grad_accum=2": {}}
+
+
+def lora_steps(n_devices: int, option: str, steps: int = 3):
+    strategy = option.split("-")[0]
+    grad_accum = 2 if "grad_accum" in option else 1
+    p = ParallelConfig(strategy=strategy, bucket_mb=0.01, **STRATEGIES[option])
+    mesh = parallel.mesh_for(p) if strategy == "hsdp" else parallel.make_mesh(jax.devices()[:n_devices])
+    opt, schedule = make_optimizer(OptimConfig(lr=1e-3, warmup_steps=0), 10)  # params_close's atol: 1% of a step
+    model = adapters.add(make_model(CFG, nnx.Rngs(0)), "all-linear", 4, 8.0, dropout=0.1, train=["lm_head"],
+                         base_dtype=jnp.bfloat16, rngs=nnx.Rngs(1))  # fmt: skip
+    a = parallel.assemble(model, lm_loss, opt, mesh, p, grad_accum, schedule)
+    state = a.state
+    before = jax.device_get(adapters.frozen(state.rest))
+    history = []
+    for i in range(steps):
+        state, metrics = a.train_step(state, parallel.shard_batch(batch(i), mesh))
+        history.append({k: float(v) for k, v in metrics.items()})
+    return state, history, before
+
+
+@pytest.mark.parametrize("option", list(STRATEGIES))
+def test_four_devices_train_adapters_as_one_and_the_base_never_moves(option):
+    """4 devices give one device's losses and adapters (dropout on, drawn per global row), under every strategy; the
+    frozen base (bfloat16) is bit-identical after training, has no optimizer state, and no gradient leaves the step
+    for it; the optimizer holds AdamW's two moments of the adapters and lm_head alone."""
+    one, hist1, _ = lora_steps(1, "ddp")
+    four, hist4, before = lora_steps(4, option)
+    for a, b in zip(hist1, hist4, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"] and a["skipped"] == b["skipped"] == 0, (a, b)
+    assert all(np.any(np.asarray(b[...])) for p, b in nnx.to_flat_state(four.params) if p[-1] == "lora_b")
+    cut = lambda s: jax.tree.map(lambda x, w: x[: w.shape[0]], s.params, one.params)  # noqa: E731  (fsdp's padding)
+    assert params_close(one.params, cut(four), atol=1e-5) <= 0
+    after = jax.device_get(adapters.frozen(four.rest))
+    assert jax.tree.structure(after) == jax.tree.structure(before) and jax.tree.leaves(before)
+    for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+        assert x.dtype == jnp.bfloat16 and np.array_equal(x, y)
+    trained = sum(x.size for x in jax.tree.leaves(jax.tree.map(np.asarray, one.params)))
+    moments = sum(x.size for x in jax.tree.leaves(one.opt_state) if x.ndim)
+    assert moments == 2 * trained  # mu and nu of what trains; nothing for the base
+    names = parallel.param_names(four.params)
+    assert all(n.endswith(("lora_a", "lora_b")) or n == "lm_head.kernel" for n in names), names
+
+
+# ---- a run: resume, another strategy, another base, export and back --------------------------------------------
+
+
+def corpus(tmp_path: Path) -> Path:
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    path = tmp_path / "docs.jsonl"
+    names = ["textwrap.py", "heapq.py", "bisect.py", "colorsys.py", "shlex.py", "fnmatch.py"]
+    path.write_text("".join(json.dumps({"text": (root / n).read_text()}) + "\n" for n in names))
+    return path
+
+
+def run_config(run_dir: Path, data: Path, base: Path, *extra: str):
+    overrides = [f"train.init_from={base}", f"data.tokenizer={DATA / 'hf-llama-tiny'}", f"data.source={data}",
+                 "data.seq_len=16", "data.val_tokens=256", "train.batch_size=8", "train.log_every=1",
+                 "train.eval_every=0", "train.progress=false", "train.tensorboard=false", "optim.lr=1e-2",
+                 "optim.warmup_steps=0", "model.lora_rank=4", "model.lora_targets=q_proj,v_proj,down_proj",
+                 "model.lora_modules_to_save=lm_head", f"train.run_dir={run_dir}", *extra]  # fmt: skip
+    return checked_import(load_config(None, overrides), explicit_keys(overrides))[0]
+
+
+def losses(run_dir: Path) -> dict:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A 4-step LoRA fine-tune of the Llama fixture on 4 devices, checkpoints at 2 and 4: (data, run directory)."""
+    tmp = tmp_path_factory.mktemp("lora")
+    data = corpus(tmp)
+    train(run_config(tmp / "ref", data, DATA / "hf-llama-tiny", "train.steps=4", "train.ckpt_every=2"))
+    return data, tmp / "ref"
+
+
+def resumed_at_2(ref: Path, to: Path) -> Path:
+    """A copy of the run as it stood at its checkpoint at step 2 (the later one gone, as after a kill)."""
+    shutil.copytree(ref, to)
+    shutil.rmtree(to / "checkpoints" / "4")
+    return to
+
+
+def test_a_resumed_lora_run_is_bit_identical_and_its_checkpoints_hold_no_base(lora_run, tmp_path):
+    data, ref = lora_run
+    resumed = resumed_at_2(ref, tmp_path / "resumed")
+    train(run_config(resumed, data, DATA / "hf-llama-tiny", "train.steps=4", "train.ckpt_every=2"))
+    summary = lambda d: json.loads((d / "summary.json").read_text())  # noqa: E731
+    assert summary(resumed)["resumed_from"] == 2
+    assert summary(resumed)["params_sha256"] == summary(ref)["params_sha256"]
+    assert losses(resumed) == losses(ref) and len(losses(ref)) == 4
+    record = json.loads((ref / "checkpoints" / "4" / "record" / "metadata").read_text())
+    assert not [k for k in record["checksums"] if k.startswith(".rest")]  # the base is not saved
+    assert record["base"]["leaves"] == 2 * 9 + 2  # 2 blocks of 9 frozen leaves, the final norm, the embedding
+    saved = [k for k in record["checksums"] if k.startswith(".params")]
+    assert saved and all("lora_" in k or "lm_head" in k for k in saved), saved
+
+
+def test_a_lora_checkpoint_continues_under_fsdp_and_refuses_another_base(lora_run, tmp_path):
+    data, ref = lora_run
+    moved = resumed_at_2(ref, tmp_path / "moved")
+    train(run_config(moved, data, DATA / "hf-llama-tiny", "train.steps=4", "parallel.strategy=fsdp"))
+    assert all(abs(losses(moved)[s] - losses(ref)[s]) <= 1e-5 * losses(ref)[s] for s in (3, 4))
+    other = tmp_path / "other-base"  # the same model with one weight changed
+    shutil.copytree(DATA / "hf-llama-tiny", other)
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(other / "model.safetensors"))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1e-3
+    save_file(tensors, str(other / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="were trained on another base model than this run's"):
+        train(run_config(moved, data, other, "train.steps=6"))
+
+
+def test_exported_adapters_read_back_give_the_runs_logits_and_the_merged_export_too(lora_run, tmp_path):
+    """`jdp export RUN OUT --adapter` writes PEFT's files; train.init_adapter reads them onto the base: the run's
+    logits exactly. `jdp export RUN OUT` folds them into the weights: the same logits to float32 rounding."""
+    import argparse
+
+    from jdp import generate, hf
+
+    _, ref = lora_run
+    cfg, model, _, step = generate.load_run(ref)
+    assert step == 4 and adapters.has_adapters(model)
+    generate.export(argparse.Namespace(run_dir=str(ref), out_dir=str(tmp_path / "adapter"), step=None, adapter=True))
+    generate.export(argparse.Namespace(run_dir=str(ref), out_dir=str(tmp_path / "merged"), step=None, adapter=False))
+    spec = json.loads((tmp_path / "adapter" / peft.ADAPTER_CONFIG).read_text())
+    assert (spec["r"], spec["lora_alpha"], spec["target_modules"], spec["modules_to_save"]) == (
+        4, 8.0, ["down_proj", "q_proj", "v_proj"], ["lm_head"])  # fmt: skip
+    assert spec["base_model_name_or_path"] == str(DATA / "hf-llama-tiny")
+    inputs = np.load(DATA / "hf-llama-tiny" / "inputs.npy")
+    theirs = np.asarray(model(inputs))
+    back_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_adapter=str(tmp_path / "adapter")))
+    back, _ = run_model(back_cfg)
+    np.testing.assert_array_equal(np.asarray(back(inputs)), theirs)
+    merged, _ = hf.load_model(hf.adopt(cfg.model, tmp_path / "merged").model, tmp_path / "merged")
+    assert not adapters.has_adapters(merged)
+    np.testing.assert_allclose(np.asarray(merged(inputs)), theirs, atol=1e-5, rtol=0)
+    with pytest.raises(ConfigError, match="missing base_model.model.model.layers.0.self_attn.k_proj.lora_A"):
+        run_model(dataclasses.replace(back_cfg, model=dataclasses.replace(back_cfg.model, lora_targets="all-linear")))
+
+
+def test_peft_loads_jdps_export_with_every_key_and_gives_its_logits(lora_run, tmp_path):
+    """peft itself (where torch and peft are installed: CI's oldest stack): PeftModel.from_pretrained on jdp's
+    export warns of no missing or unexpected key (a wrong prefix loads silently with lora_B at zero) and computes
+    jdp's logits."""
+    torch = pytest.importorskip("torch", reason="peft's own check needs torch and peft (CI's oldest stack)")
+    pytest.importorskip("peft", reason="peft's own check needs torch and peft (CI's oldest stack)")
+    import argparse
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from jdp import generate
+
+    _, ref = lora_run
+    _, model, _, _ = generate.load_run(ref)
+    generate.export(argparse.Namespace(run_dir=str(ref), out_dir=str(tmp_path / "adapter"), step=None, adapter=True))
+    base = AutoModelForCausalLM.from_pretrained(DATA / "hf-llama-tiny", torch_dtype=torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        theirs = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    said = [str(w.message) for w in caught]
+    assert not [s for s in said if "missing" in s.lower() or "unexpected" in s.lower()], said
+    inputs = np.load(DATA / "hf-llama-tiny" / "inputs.npy")
+    with torch.no_grad():
+        logits = theirs(torch.from_numpy(inputs.astype(np.int64))).logits.numpy()
+    np.testing.assert_allclose(np.asarray(model(inputs))[..., : logits.shape[-1]], logits, atol=1e-5, rtol=0)
+
+
+# ---- the config ---------------------------------------------------------------------------------------------------
+
+
+def test_lora_keys_that_cannot_work_are_refused_by_name():
+    def problems(*overrides):
+        with pytest.raises(ConfigError) as e:
+            validate(load_config(None, [*overrides, "train.run_dir=unused"]), n_devices=1)
+        return str(e.value)
+
+    said = problems("model.lora_alpha=16", "model.base_dtype=bfloat16")
+    assert "model.lora_alpha=16.0 is read only with model.lora_rank > 0" in said
+    assert "model.base_dtype='bfloat16' is read only with model.lora_rank > 0" in said
+    said = problems("model.arch=llama", "model.lora_rank=8", "model.lora_targets=q_proj,qproj",
+                    "model.lora_modules_to_save=lm_head")  # fmt: skip
+    assert "model.lora_targets: qproj is not a linear layer of model.arch=llama" in said and "gate_proj" in said
+    assert "lm_head is not a module of this model (the output is tied to the embedding: train embed_tokens)" in said
+    assert "with optim.name=muon" in problems("model.lora_rank=8", "optim.name=muon")
+    assert "with train.live=true" in problems("model.lora_rank=8", "train.live=true")
+    assert "model.lora_dropout=1.0 must be in [0, 1)" in problems("model.lora_rank=8", "model.lora_dropout=1")
+    assert "c_proj" in problems("model.lora_rank=8", "model.lora_targets=q_proj")  # GPT's names for GPT
+    validate(load_config(None, ["model.lora_rank=8", "model.lora_targets=c_attn,c_fc", "train.run_dir=x"]), 1)
+    with pytest.raises(ConfigError, match=r"model.lora_rank=2 \(the adapter's is 4\)"):
+        fixture_config("hf-llama-tiny", "model.lora_rank=2")
