@@ -57,11 +57,17 @@ def flops_per_token(cfg: Config) -> float:
     grouped-query projections and SwiGLU), plus V D for the output projection, tied or not. The embedding lookup
     and positions do no matmul. Attention scores and values cost 2 x 2 L H K per token per layer forward when every
     key is attended; causal masking halves that, and backward doubles forward: 6 L H K per layer. (PaLM's 12 L D
-    counts the masked half too.)
+    counts the masked half too.) With LoRA (model.lora_rank) each frozen weight costs 4 (forward, and backward's
+    gradient of its input), each adapter weight and each weight trained whole 6.
     """
     m, L = cfg.model, cfg.data.seq_len
     HK = m.n_heads * m.head_width
     matmul_params = m.n_layers * models.get(m.arch).block_matmul_params(m) + m.vocab_size * m.d_model
+    if m.lora_rank:  # LoRA: a frozen weight costs its forward and its input's gradient (4), no weight gradient
+        from jdp import peft
+
+        lora, whole = peft.matmul_params(m)
+        return 4.0 * matmul_params + 2.0 * whole + 6.0 * lora + 6.0 * m.n_layers * L * HK
     return 6.0 * matmul_params + 6.0 * m.n_layers * L * HK
 
 

@@ -12,6 +12,7 @@ PEFT's target_modules uses (q_proj, ..., all-linear: models/lora_names.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -50,6 +51,22 @@ def add_adapters(model, m: ModelConfig, seed: int = 0):
     dtype = jnp.dtype(m.base_dtype) if m.base_dtype else None
     return adapters.add(model, adapt, m.lora_rank, m.lora_alpha, m.lora_dropout, m.lora_rslora, train, dtype,
                         nnx.Rngs(seed + 1))  # fmt: skip
+
+
+@functools.cache
+def matmul_params(m: ModelConfig) -> tuple[int, int]:
+    """(the adapters' weights, the weights of the matrix-multiplying modules trained whole) of model `m` with its
+    adapters (shapes only, nothing computed): what the FLOPs count beside the frozen base (metrics.flops_per_token)."""
+    from jdp.models import make_model
+
+    model = nnx.eval_shape(lambda: add_adapters(make_model(m, nnx.Rngs(0)), m))
+    lora = whole = 0
+    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if variable.__class__ is nnx.LoRAParam:
+            lora += variable.size
+        elif path[-1] == "kernel":  # an output head trained whole (an embedding's lookup multiplies nothing)
+            whole += variable.size
+    return lora, whole
 
 
 # ---- the files ---------------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jdp import models
+from jdp import adapters, models, peft
 from jdp.attention import attention_scores
 from jdp.build import comm_hook
 from jdp.config import (
@@ -99,8 +99,9 @@ SCALING_NS = tuple(2**k for k in range(11))  # 1, 2, 4, ..., 1024
 
 def abstract_state(cfg: Config):
     """(graphdef, params, rest, optimizer state) as shapes only: nothing is allocated."""
-    model = nnx.eval_shape(lambda: make_model(cfg.model, nnx.Rngs(0)))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    model = nnx.eval_shape(lambda: peft.add_adapters(make_model(cfg.model, nnx.Rngs(0)), cfg.model) if cfg.model.lora_rank
+                           else make_model(cfg.model, nnx.Rngs(0)))  # fmt: skip
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # with adapters: `params` is what trains
     optimizer, _ = make_optimizer(cfg.optim, cfg.train.steps)
     return graphdef, params, rest, jax.eval_shape(optimizer.init, params)
 
@@ -117,7 +118,7 @@ def held_bytes(
     (no activations), as the strategy's module counts them (its state_bytes). `state`: an abstract_state(cfg)
     already traced; `grad_accum`: default the config's; frees=False (recomputes_activations): a block's gathered
     parameters stay until its backward, resharding or not."""
-    _, params, _, opt_state = state or abstract_state(cfg)
+    _, params, rest, opt_state = state or abstract_state(cfg)
     optimizer, _ = make_optimizer(cfg.optim, cfg.train.steps)
     accum = cfg.train.grad_accum if grad_accum is None else grad_accum
     s = strategies.get(strategy)
@@ -131,7 +132,13 @@ def held_bytes(
     more_params, more_opt = ways.extra_bytes(cfg.parallel, m.params)  # DiLoCo's round
     shards = cfg.parallel.shard_size if s.groups else inside if s.split_optimizer else 1
     update = update_bytes(cfg, params, shards)
-    return dataclasses.replace(m, params=m.params + more_params, opt_state=m.opt_state + more_opt,
+    # LoRA's frozen base: whole on every device, under every strategy. Held in another dtype than the compute dtype
+    # (model.base_dtype=bfloat16, float32 compute), the step converts it, and XLA keeps the converted copies (all of
+    # them under ddp and zero1, most under fsdp: counted whole, the safe side; measured in tests/test_plan.py)
+    frozen = jax.tree.leaves(adapters.frozen(rest))
+    compute = jnp.dtype(cfg.model.dtype)
+    base = sum(x.size * (x.dtype.itemsize + (compute.itemsize if x.dtype != compute else 0)) for x in frozen)
+    return dataclasses.replace(m, params=m.params + more_params + base, opt_state=m.opt_state + more_opt,
                                in_flight=m.in_flight + update)  # fmt: skip
 
 
@@ -194,6 +201,7 @@ def activation_bytes(
     softmax = micro_batch * m.n_heads * L * f32 if fused_attention else 2 * scores
     block = models.get(m.arch).block_activation_bytes(m, N, s) + softmax
     outside = 3 * N * D * s + 2 * N * m.vocab_size * f32
+
     remat = Remat.of(m)
     policy = block_policy(cfg, strategy) if frees else "none"
     if policy == "none":
@@ -804,16 +812,19 @@ def format_plan(plan: Plan, cfg: Config) -> str:
     micro = s.per_device_batch // ga
     split = f"in {ga} micro-batches of {micro}" if ga > 1 else "in one micro-batch"
     attention = "fused (cuDNN) attention" if plan.fused_attention else f"attention probabilities {micro}x{L}x{L}"
-    pdtype = cfg.model.param_dtype
+    mc = cfg.model
+    pdtype = mc.param_dtype if not mc.lora_rank else f"{mc.base_dtype or mc.param_dtype} + {mc.param_dtype}"
+    what = f"{plan.n_params:,} parameters" + (f" train: LoRA rank {mc.lora_rank}, the base frozen" if mc.lora_rank else "")
     lines = [
-        f"jdp plan: {plan.config or 'config'} ({plan.n_params:,} parameters) on {plan.devices} x {plan.gpu}",
+        f"jdp plan: {plan.config or 'config'} ({what}) on {plan.devices} x {plan.gpu}",
         f"weak scaling: every device keeps {s.per_device_batch} sequences x {L} tokens per step "
         f"(train.batch_size={t.batch_size} on {plan.devices} devices), {split}",
         *(f"assumed: {a}" for a in plan.assumed),
         "",
         f"memory per device ({plan.gpu}: {gpu.memory_gb:g} GB)",
-        f"  parameters        {pdtype:<9} {_size(m.params):>10}   exact, from the model's shapes",
-        f"  gradients         {pdtype:<9} {_size(m.grads):>10}   exact"
+        f"  parameters        {pdtype:<9} {_size(m.params):>10}   exact, from the model's shapes"
+        + (" (the frozen base, as held and converted to model.dtype, and the adapters)" if mc.lora_rank else ""),
+        f"  gradients         {mc.param_dtype:<9} {_size(m.grads):>10}   exact"
         + (
             ", made as backward frees the activations: with the bucket below they count against them"
             if m.late_grads

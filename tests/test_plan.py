@@ -114,7 +114,8 @@ GRID = {  # activations outweigh the state / the state outweighs the activations
     "state": ["model.n_layers=6", "model.d_model=256", "data.seq_len=32", "model.max_seq_len=32", "train.batch_size=8"],
 }  # fmt: skip
 VARIANTS = {"plain": [], "remat=dots": ["model.remat=dots"], "remat=full": ["model.remat=full"],
-            "grad_accum=2": ["train.grad_accum=2"]}  # fmt: skip
+            "grad_accum=2": ["train.grad_accum=2"],
+            "lora": ["model.lora_rank=8", "model.base_dtype=bfloat16"]}  # the base frozen: no gradient or state  # fmt: skip
 
 
 def compiled_per_device(cfg, n: int) -> int:

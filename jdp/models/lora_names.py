@@ -44,7 +44,7 @@ def names(m: ModelConfig) -> Names:
     table = arch.table(m)
     modules = {slot.path[:-1]: arch.file_name(name).removesuffix(".weight") for name, slot in table.items()
                if name.endswith(".weight") and slot.path[-1] in ("kernel", "embedding")}  # fmt: skip
-    output = arch.top.get(arch.tied_output)  # GPT-2 has none of its own: the embedding
+    output = arch.top.get(arch.tied_output) if arch.tied_output in table else None  # tied: the embedding is it
     conv1d = not any(slot.transposed for slot in table.values() if slot.path[-1] == "kernel")
     return Names(modules, tuple(output[:-1]) if output else None, conv1d)
 
