@@ -7,6 +7,7 @@ neither); test_peft_loads_jdps_export_... checks an export with peft itself wher
 stack)."""
 
 import dataclasses
+import functools
 import json
 import shutil
 import warnings
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from test_llama import CFG, batch
-from test_parallel import params_close
+from test_parallel import make_batch, params_close
 
 from jdp import adapters, parallel, peft
 from jdp.build import run_model
@@ -29,6 +30,7 @@ from jdp.models import lora_names, make_model
 from jdp.models.common import lm_loss
 from jdp.nn import Frozen
 from jdp.optim import make_optimizer
+from jdp.parallel.remat import Remat
 
 DATA = Path(__file__).parent / "data"
 FIXTURES = pytest.mark.parametrize("base", ["hf-llama-tiny", "hf-qwen2-tiny"])
@@ -107,25 +109,50 @@ def test_every_parameter_but_the_adapters_is_frozen_and_they_start_as_peft_does(
 
 # ---- 4 devices = 1, the base untouched, no state for it ---------------------------------------------------------
 
-STRATEGIES = {"ddp": {}, "zero1": {}, "fsdp": {}, "hsdp": {"shard_size": 2}, "ddp-grad_accum=2": {}}
+# Each variant 4 devices against the same one-device run: zero1 with grad_accum, hsdp with recomputation.
+STRATEGIES = {"ddp": {}, "zero1-grad_accum=2": {}, "fsdp": {}, "hsdp-remat=dots": {"shard_size": 2}}
 
 
-def lora_steps(n_devices: int, option: str, steps: int = 3):
+ADAMW = OptimConfig(lr=1e-3, warmup_steps=0)
+
+
+def lora_model(dropout: float):
+    return adapters.add(make_model(CFG, nnx.Rngs(0)), "all-linear", 4, 8.0, dropout=dropout, train=["lm_head"],
+                        base_dtype=jnp.bfloat16, rngs=nnx.Rngs(1))  # fmt: skip
+
+
+def even_batch(i: int) -> dict:
+    b = make_batch(i)  # every row the same weight: DiLoCo's average of the groups' means is then the global mean
+    return {**b, "inputs": b["inputs"] % CFG.vocab_size, "targets": b["targets"] % CFG.vocab_size}
+
+
+@functools.cache
+def lora_steps(n_devices: int, option: str, steps: int = 3, optim: OptimConfig = ADAMW, sync: tuple = (),
+               dropout: float = 0.1):  # fmt: skip
+    """(final state, metrics per step, the frozen base at start) of `steps` steps of the LoRA model on
+    test_llama's batches (params_close's atol: 1% of an AdamW step at lr 1e-3)."""
     strategy = option.split("-")[0]
     grad_accum = 2 if "grad_accum" in option else 1
-    p = ParallelConfig(strategy=strategy, bucket_mb=0.01, **STRATEGIES[option])
-    mesh = parallel.mesh_for(p) if strategy == "hsdp" else parallel.make_mesh(jax.devices()[:n_devices])
-    opt, schedule = make_optimizer(OptimConfig(lr=1e-3, warmup_steps=0), 10)  # params_close's atol: 1% of a step
-    model = adapters.add(make_model(CFG, nnx.Rngs(0)), "all-linear", 4, 8.0, dropout=0.1, train=["lm_head"],
-                         base_dtype=jnp.bfloat16, rngs=nnx.Rngs(1))  # fmt: skip
-    a = parallel.assemble(model, lm_loss, opt, mesh, p, grad_accum, schedule)
+    p = ParallelConfig(strategy=strategy, bucket_mb=0.01, **STRATEGIES.get(option, {}), **dict(sync))
+    mesh = parallel.mesh_for(p) if strategy == "hsdp" or sync else parallel.make_mesh(jax.devices()[:n_devices])
+    opt, schedule = make_optimizer(optim, 10)
+    remat = Remat("dots") if "remat" in option else None
+    a = parallel.assemble(lora_model(dropout), lm_loss, opt, mesh, p, grad_accum, schedule, remat=remat)
     state = a.state
     before = jax.device_get(adapters.frozen(state.rest))
     history = []
     for i in range(steps):
-        state, metrics = a.train_step(state, parallel.shard_batch(batch(i), mesh))
-        history.append({k: float(v) for k, v in metrics.items()})
+        rows = batch(i) if dropout else even_batch(i)  # uneven padding (test_llama's) but where DiLoCo is compared
+        state, metrics = a.train_step(state, parallel.shard_batch(rows, mesh))
+        history.append({k: float(v) for k, v in metrics.items() if v.ndim == 0})
     return state, history, before
+
+
+def assert_base_untouched(state, before):
+    after = jax.device_get(adapters.frozen(state.rest))
+    assert jax.tree.structure(after) == jax.tree.structure(before) and jax.tree.leaves(before)
+    for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+        assert x.dtype == jnp.bfloat16 and np.array_equal(x, y)
 
 
 @pytest.mark.parametrize("option", list(STRATEGIES))
@@ -140,15 +167,49 @@ def test_four_devices_train_adapters_as_one_and_the_base_never_moves(option):
     assert all(np.any(np.asarray(b[...])) for p, b in nnx.to_flat_state(four.params) if p[-1] == "lora_b")
     cut = lambda s: jax.tree.map(lambda x, w: x[: w.shape[0]], s.params, one.params)  # noqa: E731  (fsdp's padding)
     assert params_close(one.params, cut(four), atol=1e-5) <= 0
-    after = jax.device_get(adapters.frozen(four.rest))
-    assert jax.tree.structure(after) == jax.tree.structure(before) and jax.tree.leaves(before)
-    for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
-        assert x.dtype == jnp.bfloat16 and np.array_equal(x, y)
+    assert_base_untouched(four, before)
     trained = sum(x.size for x in jax.tree.leaves(jax.tree.map(np.asarray, one.params)))
     moments = sum(x.size for x in jax.tree.leaves(one.opt_state) if x.ndim)
     assert moments == 2 * trained  # mu and nu of what trains; nothing for the base
     names = parallel.param_names(four.params)
     assert all(n.endswith(("lora_a", "lora_b")) or n == "lm_head.kernel" for n in names), names
+
+
+def test_diloco_groups_train_adapters_and_never_send_the_base():
+    """DiLoCo's two groups, H=1 with a plain outer average and SGD (elementwise, unclipped: then ddp's arithmetic),
+    train the adapters as ddp does (without dropout: a group numbers its rows for RowDropout within itself); the
+    base stays as it was in every group."""
+    sgd = OptimConfig(name="sgd", grad_clip=0.0, lr=0.05, warmup_steps=0, momentum=0.0)
+    ddp, hist, _ = lora_steps(4, "ddp", optim=sgd, dropout=0.0)
+    h1 = (("sync", "diloco"), ("groups", 2), ("outer_every", 1), ("outer_lr", 1.0), ("outer_momentum", 0.0))
+    groups, hist_g, before = lora_steps(4, "ddp", optim=sgd, sync=h1, dropout=0.0)
+    assert [round(h["loss"], 4) for h in hist] == [round(h["loss"], 4) for h in hist_g]
+    assert params_close(ddp.params, groups.params, atol=1e-6) <= 0
+    assert_base_untouched(groups, before)
+    for x in jax.tree.leaves(adapters.frozen(groups.inner["rest"])):  # each group's copy, its leading axis
+        assert x.shape[0] == 2 and np.array_equal(np.asarray(x[0]), np.asarray(x[1]))
+
+
+def test_a_library_users_model_trains_adapters_on_the_layers_it_names(tmp_path):
+    """jdp.Trainer with a user's own model and jdp.adapters.add on the nnx.Linear it names: the base stays as it
+    was, the checkpoint holds the adapters, and jdp.load gives the trained model back onto its base."""
+    import optax
+    from test_trainer import MLP, data, mse
+
+    import jdp
+
+    def model():
+        return adapters.add(MLP(nnx.Rngs(0)), ["hidden"], rank=2, alpha=4.0, rngs=nnx.Rngs(1))
+
+    cfg = jdp.load_config(None, [f"train.run_dir={tmp_path}", "train.steps=4", "train.batch_size=16",
+                                 "train.ckpt_every=2", "train.progress=false", "train.tensorboard=false"])  # fmt: skip
+    result = jdp.Trainer(model, mse, optax.adam(1e-2), data(64, 0), cfg).fit()
+    trained = result["model"]
+    np.testing.assert_array_equal(np.asarray(trained.out.kernel[...]), np.asarray(model().out.kernel[...]))
+    assert isinstance(trained.out.kernel, Frozen) and np.any(np.asarray(trained.hidden.lora_b[...]))
+    back = jdp.load(tmp_path, model)
+    x = data(8, 2)["x"]
+    np.testing.assert_array_equal(np.asarray(back(x)), np.asarray(trained(x)))
 
 
 # ---- a run: resume, another strategy, another base, export and back --------------------------------------------
