@@ -190,6 +190,37 @@ def test_diloco_groups_train_adapters_and_never_send_the_base():
         assert x.shape[0] == 2 and np.array_equal(np.asarray(x[0]), np.asarray(x[1]))
 
 
+def test_gpt2s_adapters_train_as_one_device_and_are_written_as_peft_writes_conv1d_ones(tmp_path):
+    """GPT (GPT-2's names, c_attn and c_fc): 4 devices = 1 device, and its adapters are PEFT's for Conv1D layers
+    (fan_in_fan_out, lora_A [r, in] and lora_B [out, r] all the same)."""
+    cfg = load_config(None, ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.max_seq_len=16",
+                             "model.vocab_size=64", "model.bias=true", "model.lora_rank=2",
+                             "model.lora_targets=c_attn,c_fc", "train.run_dir=unused"])  # fmt: skip
+    opt, _ = make_optimizer(OptimConfig(lr=1e-3, warmup_steps=0), 10)
+    trained = []
+    for n in (1, 4):
+        mesh = parallel.make_mesh(jax.devices()[:n])
+        model = peft.add_adapters(make_model(cfg.model, nnx.Rngs(0)), cfg.model)
+        a = parallel.assemble(model, lm_loss, opt, mesh, ParallelConfig())
+        state = a.state
+        for i in range(2):
+            state, _ = a.train_step(state, parallel.shard_batch(even_batch(i), mesh))
+        trained.append(state)
+    assert params_close(trained[0].params, trained[1].params, atol=1e-5) <= 0
+    names = parallel.param_names(trained[0].params)
+    assert sorted({n.split(".", 2)[2] for n in names}) == ["attn.qkv.lora_a", "attn.qkv.lora_b", "mlp.up.lora_a",
+                                                           "mlp.up.lora_b"]  # fmt: skip
+    nnx.update(model, trained[0].params)
+    peft.save_adapter(model, cfg, tmp_path / "gpt")
+    spec = json.loads((tmp_path / "gpt" / peft.ADAPTER_CONFIG).read_text())
+    assert spec["fan_in_fan_out"] is True and spec["target_modules"] == ["c_attn", "c_fc"]
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(tmp_path / "gpt" / peft.ADAPTER_WEIGHTS))
+    assert tensors["base_model.model.transformer.h.0.attn.c_attn.lora_A.weight"].shape == (2, 32)
+    assert tensors["base_model.model.transformer.h.1.mlp.c_fc.lora_B.weight"].shape == (128, 2)
+
+
 def test_a_library_users_model_trains_adapters_on_the_layers_it_names(tmp_path):
     """jdp.Trainer with a user's own model and jdp.adapters.add on the nnx.Linear it names: the base stays as it
     was, the checkpoint holds the adapters, and jdp.load gives the trained model back onto its base."""
@@ -306,6 +337,10 @@ def test_exported_adapters_read_back_give_the_runs_logits_and_the_merged_export_
     back_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_adapter=str(tmp_path / "adapter")))
     back, _ = run_model(back_cfg)
     np.testing.assert_array_equal(np.asarray(back(inputs)), theirs)
+    ids, new = generate.sample_tokens(model, generate.load_tokenizer(cfg.data.tokenizer), "def f", max_new_tokens=3,
+                                      temperature=0)  # the KV cache through the adapters: greedy = the logits' argmax
+    full = np.asarray(model(np.asarray([ids + new[:2]], np.int32)))[0]
+    assert new == [int(np.argmax(full[len(ids) - 1 + i])) for i in range(3)]
     merged, _ = hf.load_model(hf.adopt(cfg.model, tmp_path / "merged").model, tmp_path / "merged")
     assert not adapters.has_adapters(merged)
     np.testing.assert_allclose(np.asarray(merged(inputs)), theirs, atol=1e-5, rtol=0)
