@@ -208,9 +208,9 @@ def check_base(record: dict, base: dict | None, cfg: Config) -> None:
         return
     where = f"train.init_from={cfg.train.init_from}" if cfg.train.init_from else f"made from train.seed={cfg.train.seed}"
     raise ConfigError(
-        f"refusing to resume: the adapters in the checkpoint at step {record['step']} were trained on another base "
-        f"model than this run's ({where}): saved {saved}, now {base}. Give the base they were trained on, or a new "
-        f"train.run_dir (or train.resume=false) to start over"
+        f"the adapters in the checkpoint at step {record['step']} were trained on another base model than this "
+        f"run's ({where}): saved {saved}, now {base}. Give the base they were trained on (or, to train, a new "
+        f"train.run_dir or train.resume=false to start over)"
     )
 
 

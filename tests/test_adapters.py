@@ -316,6 +316,21 @@ def test_a_lora_checkpoint_continues_under_fsdp_and_refuses_another_base(lora_ru
         train(run_config(moved, data, other, "train.steps=6"))
 
 
+def test_a_diloco_lora_run_resumes_bit_for_bit_with_no_base_in_its_groups_checkpoint(lora_run, tmp_path):
+    """DiLoCo's checkpoint holds each group's adapters and optimizer state, not each group's copy of the base; a run
+    stopped at a sync and run again ends as the uninterrupted one."""
+    data, _ = lora_run
+    diloco = ["parallel.sync=diloco", "parallel.groups=2", "parallel.outer_every=2", "train.ckpt_every=2"]
+    ref, resumed = tmp_path / "ref", tmp_path / "resumed"
+    train(run_config(ref, data, DATA / "hf-llama-tiny", "train.steps=4", *diloco))
+    record = json.loads((ref / "checkpoints" / "4" / "record" / "metadata").read_text())
+    assert record["groups"] == 2 and record["base"] and not [k for k in record["inner_checksums"] if "rest" in k]
+    resumed_at_2(ref, resumed)
+    train(run_config(resumed, data, DATA / "hf-llama-tiny", "train.steps=4", *diloco))
+    summary = lambda d: json.loads((d / "summary.json").read_text())  # noqa: E731
+    assert summary(resumed)["params_sha256"] == summary(ref)["params_sha256"] and losses(resumed) == losses(ref)
+
+
 def test_exported_adapters_read_back_give_the_runs_logits_and_the_merged_export_too(lora_run, tmp_path):
     """`jdp export RUN OUT --adapter` writes PEFT's files; train.init_adapter reads them onto the base: the run's
     logits exactly. `jdp export RUN OUT` folds them into the weights: the same logits to float32 rounding."""
