@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from test_hf_llama import _corpus as corpus
 from test_llama import CFG, batch
 from test_parallel import make_batch, params_close
 
@@ -246,16 +247,6 @@ def test_a_library_users_model_trains_adapters_on_the_layers_it_names(tmp_path):
 # ---- a run: resume, another strategy, another base, export and back --------------------------------------------
 
 
-def corpus(tmp_path: Path) -> Path:
-    import sysconfig
-
-    root = Path(sysconfig.get_paths()["stdlib"])
-    path = tmp_path / "docs.jsonl"
-    names = ["textwrap.py", "heapq.py", "bisect.py", "colorsys.py", "shlex.py", "fnmatch.py"]
-    path.write_text("".join(json.dumps({"text": (root / n).read_text()}) + "\n" for n in names))
-    return path
-
-
 def run_config(run_dir: Path, data: Path, base: Path, *extra: str):
     overrides = [f"train.init_from={base}", f"data.tokenizer={DATA / 'hf-llama-tiny'}", f"data.source={data}",
                  "data.seq_len=16", "data.val_tokens=256", "train.batch_size=8", "train.log_every=1",
@@ -273,7 +264,7 @@ def losses(run_dir: Path) -> dict:
 def lora_run(tmp_path_factory):
     """A 4-step LoRA fine-tune of the Llama fixture on 4 devices, checkpoints at 2 and 4: (data, run directory)."""
     tmp = tmp_path_factory.mktemp("lora")
-    data = corpus(tmp)
+    data = corpus(tmp)  # test_hf_llama's: six standard-library modules as documents
     train(run_config(tmp / "ref", data, DATA / "hf-llama-tiny", "train.steps=4", "train.ckpt_every=2"))
     return data, tmp / "ref"
 
