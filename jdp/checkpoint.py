@@ -169,9 +169,10 @@ def _core(state) -> dict:
     return {k: getattr(state, k) for k in ("step", "params", "opt_state")} | {"rest": _unfrozen(state.rest)}
 
 
-def _without_comm(state):
-    """The state without its separately saved parts: the hook's per-device states ("comm") and DiLoCo's groups'
-    states ("inner"), each an item of its own with its own checksums, and the frozen base, which is not saved."""
+def _checksummed(state):
+    """The state as the record's checksums cover it: without its separately saved parts, the hook's per-device
+    states ("comm") and DiLoCo's groups' states ("inner"), each an item of its own with its own checksums, and
+    without the frozen base, which is not saved."""
     parts = {k: None for k in ("comm", "inner") if getattr(state, k, None) is not None}
     if adapters.frozen(state.rest):
         parts["rest"] = _unfrozen(state.rest)
@@ -329,7 +330,7 @@ class Checkpoints:
             where = self.run_dir.data_state(step, jax.process_index())
             where.parent.mkdir(parents=True, exist_ok=True)
             where.write_text(json.dumps(position))
-        record = {**record, "checksums": checksums(_without_comm(state))}
+        record = {**record, "checksums": checksums(_checksummed(state))}
         items = {"state": ocp.args.StandardSave(_core(state))}
         if (comm := getattr(state, "comm", None)) is not None:
             record["comm_checksums"] = checksums(comm)
@@ -509,7 +510,7 @@ class Checkpoints:
             items["inner"] = ocp.args.StandardRestore(abstract(_inner(inner)))
         restored = self.manager.restore(step, args=ocp.args.Composite(**items, record=ocp.args.JsonRestore()))
         state = dataclasses.replace(state_like, **restored["state"])
-        verify(_without_comm(state), record)
+        verify(_checksummed(state), record)
         state = dataclasses.replace(state, rest=_refrozen(state.rest, state_like.rest))
         if read_comm:
             verify(restored["comm"], {"checksums": record["comm_checksums"]})
