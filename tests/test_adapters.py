@@ -354,22 +354,18 @@ def test_exported_adapters_read_back_give_the_runs_logits_and_the_merged_export_
         run_model(dataclasses.replace(back_cfg, model=dataclasses.replace(back_cfg.model, lora_targets="all-linear")))
 
 
-def test_peft_loads_jdps_export_with_every_key_and_gives_its_logits(lora_run, tmp_path):
+def test_peft_loads_jdps_export_with_every_key_and_gives_its_logits(tmp_path):
     """peft itself (where torch and peft are installed: CI's oldest stack): PeftModel.from_pretrained on jdp's
-    export warns of no missing or unexpected key (a wrong prefix loads silently with lora_B at zero) and computes
-    jdp's logits."""
+    export (the Llama fixture's adapters, read by jdp, then written by jdp: every A, B and lm_head) warns of no
+    missing or unexpected key (a wrong prefix loads silently with lora_B at zero) and computes jdp's logits."""
     torch = pytest.importorskip("torch", reason="peft's own check needs torch and peft (CI's oldest stack)")
     pytest.importorskip("peft", reason="peft's own check needs torch and peft (CI's oldest stack)")
-    import argparse
-
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from jdp import generate
-
-    _, ref = lora_run
-    _, model, _, _ = generate.load_run(ref)
-    generate.export(argparse.Namespace(run_dir=str(ref), out_dir=str(tmp_path / "adapter"), step=None, adapter=True))
+    cfg, _ = fixture_config("hf-llama-tiny")
+    model, _ = run_model(cfg)
+    peft.save_adapter(model, cfg, tmp_path / "adapter")
     base = AutoModelForCausalLM.from_pretrained(DATA / "hf-llama-tiny", torch_dtype=torch.float32)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
