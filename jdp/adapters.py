@@ -25,7 +25,7 @@ from flax import nnx
 
 from jdp.nn import Frozen, RowDropout
 
-__all__ = ["LoRALinear", "add", "frozen", "has_adapters", "linear_paths", "merged", "scale_of", "split_frozen",
+__all__ = ["LoRALinear", "add", "frozen", "has_adapters", "linear_paths", "lora_layers", "merged", "scale_of", "split_frozen",
            "with_frozen"]
 
 Path = tuple  # a module's attribute path from the model: ("blocks", 0, "attn", "q")
@@ -154,8 +154,13 @@ def _shown(spec) -> str:
     return "(a predicate)" if callable(spec) else repr(spec if isinstance(spec, str) else list(spec))
 
 
+def lora_layers(model: nnx.Module) -> list[tuple[Path, LoRALinear]]:
+    """(path, layer) of every adapted layer, in the model's order."""
+    return [(p, layer) for p in linear_paths(model) if isinstance(layer := _at(model, p), LoRALinear)]
+
+
 def has_adapters(model: nnx.Module) -> bool:
-    return any(isinstance(node, LoRALinear) for _, node in nnx.iter_graph(model))
+    return bool(lora_layers(model))
 
 
 def split_frozen(rest: nnx.State) -> tuple[nnx.State, nnx.State]:
@@ -179,8 +184,7 @@ def merged(model: nnx.Module) -> nnx.Module:
     """A copy of `model` with each adapter folded into its kernel (W + scale A B, in the kernel's dtype made
     float32) and every variable a plain parameter again: the model a plain export writes."""
     model = nnx.clone(model)
-    for path in [p for p in linear_paths(model) if isinstance(_at(model, p), LoRALinear)]:
-        layer = _at(model, path)
+    for path, layer in lora_layers(model):
         plain = nnx.eval_shape(lambda: nnx.Linear(1, 1, rngs=nnx.Rngs(0)))
         for name, value in vars(layer).items():
             if not name.startswith("_") and not name.startswith("lora_"):

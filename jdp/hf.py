@@ -23,6 +23,7 @@ unchanged: the imported model's own vocabulary rows, or, for a model jdp made, o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -64,7 +65,9 @@ __all__ = [
     "load_model",
     "model_config",
     "model_fields",
+    "new_directory",
     "read_config",
+    "written_whole",
 ]
 
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
@@ -456,9 +459,7 @@ def export(model, cfg, out_dir: str | Path, tokenizer_path: str = "byte") -> lis
     from jdp.data.tokens import load_tokenizer
 
     m, source = cfg.model, cfg.train.init_from
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"{out} exists and is not an empty directory; give a new directory (nothing was written)")
+    out = new_directory(out_dir)
     tokenizer = load_tokenizer(tokenizer_path)
     tokenizer_files = _tokenizer_files(tokenizer_path)
     arch = _export_architecture(cfg)
@@ -475,22 +476,38 @@ def export(model, cfg, out_dir: str | Path, tokenizer_path: str = "byte") -> lis
         ids["pad_token_id"] = m.pad_id
     hf_config = {"architectures": [arch.class_name], "model_type": arch.model_type, "vocab_size": vocab,
                  **arch.hf_config(m), **ids, "torch_dtype": "float32", "dtype": "float32"}  # fmt: skip
+    with written_whole(out) as tmp:
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})  # transformers requires the format key
+        (tmp / WEIGHTS).chmod(0o644)  # safetensors writes it owner-only, unlike every other file here
+        (tmp / CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n")
+        for file, name in tokenizer_files:
+            shutil.copy2(file, tmp / name)
+        if imported and (Path(source) / GENERATION_CONFIG).is_file():
+            shutil.copy2(Path(source) / GENERATION_CONFIG, tmp / GENERATION_CONFIG)
+        if tokenizer_path == "byte":
+            _write_byte_tokenizer(tmp)
+    return sorted(p.name for p in out.iterdir())
+
+
+def new_directory(out_dir: str | Path) -> Path:
+    """An export's directory: refused unless it is new or empty (before anything is written)."""
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out} exists and is not an empty directory; give a new directory (nothing was written)")
+    return out
+
+
+@contextlib.contextmanager
+def written_whole(out: Path):
+    """A temporary directory beside `out` to write into, renamed into place at the end: `out` is complete or
+    absent."""
     tmp = out.with_name(out.name + ".tmp-export")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})  # transformers requires the format key
-    (tmp / WEIGHTS).chmod(0o644)  # safetensors writes it owner-only, unlike every other file here
-    (tmp / CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n")
-    for file, name in tokenizer_files:
-        shutil.copy2(file, tmp / name)
-    if imported and (Path(source) / GENERATION_CONFIG).is_file():
-        shutil.copy2(Path(source) / GENERATION_CONFIG, tmp / GENERATION_CONFIG)
-    if tokenizer_path == "byte":
-        _write_byte_tokenizer(tmp)
+    yield tmp
     if out.exists():
         out.rmdir()
     tmp.rename(out)
-    return sorted(p.name for p in out.iterdir())
 
 
 def _export_tensors(model, m: ModelConfig, arch: Architecture, vocab: int) -> dict[str, np.ndarray]:

@@ -14,14 +14,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import shutil
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jdp import adapters
+from jdp import adapters, hf
 from jdp.errors import ConfigError
 from jdp.models.config import ModelConfig
 from jdp.models.lora_names import names, short, split
@@ -82,18 +81,14 @@ def save_adapter(model, cfg, out_dir: str | Path) -> list[str]:
     modules = layers.modules
     if not modules:
         raise ConfigError(f"model.arch={m.arch} has no Hugging Face names to write PEFT's format with")
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"{out} exists and is not an empty directory; give a new directory (nothing was written)")
+    out = hf.new_directory(out_dir)
     vocab = m.vocab_valid or m.vocab_size
     tensors, targets = {}, set()
-    for path in adapters.linear_paths(model):
-        layer = adapters._at(model, path)
-        if isinstance(layer, adapters.LoRALinear):
-            name = _PREFIX + modules[path]
-            targets.add(short(modules[path]))
-            tensors[name + ".lora_A.weight"] = np.asarray(layer.lora_a[...], np.float32).T
-            tensors[name + ".lora_B.weight"] = np.asarray(layer.lora_b[...], np.float32).T
+    for path, layer in adapters.lora_layers(model):
+        name = _PREFIX + modules[path]
+        targets.add(short(modules[path]))
+        tensors[name + ".lora_A.weight"] = np.asarray(layer.lora_a[...], np.float32).T
+        tensors[name + ".lora_B.weight"] = np.asarray(layer.lora_b[...], np.float32).T
     saved = []
     for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         if variable.__class__ is nnx.LoRAParam:
@@ -110,16 +105,11 @@ def save_adapter(model, cfg, out_dir: str | Path) -> list[str]:
         "bias": "none", "fan_in_fan_out": layers.fan_in_fan_out,  # GPT-2's Conv1D: its weights [in, out]
         "init_lora_weights": True, "inference_mode": True, "use_dora": False,
     }  # fmt: skip
-    tmp = out.with_name(out.name + ".tmp-export")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp / ADAPTER_WEIGHTS),
-              metadata={"format": "pt"})  # fmt: skip
-    (tmp / ADAPTER_WEIGHTS).chmod(0o644)
-    (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    if out.exists():
-        out.rmdir()
-    tmp.rename(out)
+    with hf.written_whole(out) as tmp:
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp / ADAPTER_WEIGHTS),
+                  metadata={"format": "pt"})  # fmt: skip
+        (tmp / ADAPTER_WEIGHTS).chmod(0o644)
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return sorted(p.name for p in out.iterdir())
 
 
@@ -198,12 +188,10 @@ def load_adapter(model, cfg, path: str | Path) -> int:
         if value is not None:
             variable.set_value(np.asarray(value.T if transposed else value, variable[...].dtype))
 
-    for where in adapters.linear_paths(model):
-        layer = adapters._at(model, where)
-        if isinstance(layer, adapters.LoRALinear):
-            name = _PREFIX + modules[where]
-            for variable, suffix in ((layer.lora_a, ".lora_A.weight"), (layer.lora_b, ".lora_B.weight")):
-                put(variable, take(name + suffix, variable[...].shape[::-1]), True)
+    for where, layer in adapters.lora_layers(model):
+        name = _PREFIX + modules[where]
+        for variable, suffix in ((layer.lora_a, ".lora_A.weight"), (layer.lora_b, ".lora_B.weight")):
+            put(variable, take(name + suffix, variable[...].shape[::-1]), True)
     for where, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         if variable.__class__ is not nnx.LoRAParam:  # a module trained whole: torch's [out, in] but embeddings
             transposed = where[-1] != "embedding"
