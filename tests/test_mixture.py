@@ -270,7 +270,7 @@ def test_jdp_train_shares_tokens_by_weight_evaluates_each_source_and_reweights_o
 
 @pytest.mark.slow
 def test_any_layout_trains_the_same_mixture_and_a_sigkilled_run_resumes_bit_identically(tmp_path):
-    """1 process x 4 devices, 2 x 2 and 4 x 1 see the same batches (equal losses and per-source tokens); a
+    """1 process x 4 devices and 2 x 2 see the same batches (equal losses and per-source tokens); a
     1 x 4 run killed after step 8 resumes from its checkpoint at 4 to the uninterrupted run's parameters, bit for bit."""
     web, code = sources(tmp_path / "src")
     env = {**__import__("os").environ, "JDP_CACHE": str(tmp_path / "cache")}
@@ -279,7 +279,7 @@ def test_any_layout_trains_the_same_mixture_and_a_sigkilled_run_resumes_bit_iden
     run(ref, env, (1, 4), job)
     by_step = {r["step"]: r for r in read_metrics(ref / "metrics.jsonl") if "loss" in r}
     assert by_step[12]["tokens/web"] == 3 * by_step[12]["tokens/code"]
-    for layout in [(2, 2), (4, 1)]:
+    for layout in [(2, 2)]:  # (4 x 1 too cost CI 40 s: one process per device is test_faults' and test_hosts')
         d = tmp_path / f"{layout[0]}x{layout[1]}"
         run(d, env, layout, job)
         for r in read_metrics(d / "metrics.jsonl"):

@@ -60,8 +60,8 @@ def train(n_devices, strategy, optim="adamw", grad_accum=1, steps=4):
 
 @pytest.mark.parametrize(
     "n_devices, optim, grad_accum",
-    [(1, "adamw", 1), (2, "adamw", 2), (4, "adamw", 1), (4, "sgd", 1), (4, "adamw", 2), (2, "sgd", 2)],
-)
+    [(1, "adamw", 1), (4, "adamw", 1), (4, "sgd", 1), (4, "adamw", 2), (2, "sgd", 2)],
+)  # (not 2-adamw-2 too: 2 devices' slices are (2, sgd, 2)'s, AdamW's state on 4 devices; CI time)
 def test_zero1_trains_as_ddp(n_devices, optim, grad_accum):
     ddp, ddp_hist = train(n_devices, "ddp", optim, grad_accum)
     zero1, zero1_hist = train(n_devices, "zero1", optim, grad_accum)
