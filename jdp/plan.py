@@ -132,14 +132,20 @@ def held_bytes(
     more_params, more_opt = ways.extra_bytes(cfg.parallel, m.params)  # DiLoCo's round
     shards = cfg.parallel.shard_size if s.groups else inside if s.split_optimizer else 1
     update = update_bytes(cfg, params, shards)
-    # LoRA's frozen base: whole on every device, under every strategy. Held in another dtype than the compute dtype
-    # (model.base_dtype=bfloat16, float32 compute), the step converts it, and XLA keeps the converted copies (all of
-    # them under ddp and zero1, most under fsdp: counted whole, the safe side; measured in tests/test_plan.py)
-    frozen = jax.tree.leaves(adapters.frozen(rest))
-    compute = jnp.dtype(cfg.model.dtype)
-    base = sum(x.size * (x.dtype.itemsize + (compute.itemsize if x.dtype != compute else 0)) for x in frozen)
+    # LoRA's frozen base: as the strategy holds it (fsdp's and hsdp's base_bytes: in rows), else whole on every
+    # device. Held in another dtype than the compute dtype (model.base_dtype=bfloat16, float32 compute), the step
+    # converts it, and XLA keeps the converted copies (measured in tests/test_plan.py)
+    base = getattr(s.costs(), "base_bytes", whole_base_bytes)(adapters.frozen(rest), inside, cfg.model.dtype, **options)
     return dataclasses.replace(m, params=m.params + more_params + base, opt_state=m.opt_state + more_opt,
                                in_flight=m.in_flight + update)  # fmt: skip
+
+
+def whole_base_bytes(base, n: int, compute, **_) -> int:
+    """A frozen base whole on every device (ddp, zero1, dp), and each leaf's copy converted to the compute dtype
+    where it is held in another (XLA keeps them all: measured under ddp and zero1)."""
+    compute = jnp.dtype(compute)
+    return sum(x.size * (x.dtype.itemsize + (compute.itemsize if x.dtype != compute else 0))
+               for x in jax.tree.leaves(base))  # fmt: skip
 
 
 def update_bytes(cfg: Config, params, shards: int) -> int:
@@ -209,13 +215,24 @@ def activation_bytes(
     if policy == "full":
         kept = N * D * s
     elif policy == "dots":
-        kept = models.projection_bytes(m, N, s)
+        kept = models.projection_bytes(m, N, s) + adapter_dots(cfg, N, s)
     else:  # saved_dots, every block whatever model.remat_every says: attention's q k^T and its product with v too
-        kept = models.projection_bytes(m, N, s) + (0 if fused_attention else scores + N * D * s)
+        kept = models.projection_bytes(m, N, s) + adapter_dots(cfg, N, s) + (0 if fused_attention else scores + N * D * s)
         remat = Remat("full")
     held = [kept if remat.recomputes(i) else block for i in range(m.n_layers)]
     # the start of backward (every block's part), or a recomputed block j whole, the blocks below it as kept
     return max([sum(held), *(sum(held[:j]) + block for j in range(m.n_layers) if remat.recomputes(j))]) + outside
+
+
+def adapter_dots(cfg: Config, tokens: int, itemsize: int) -> int:
+    """What a block's LoRA adapters add to the matrix products a dots policy keeps: each adapter's x A (r wide) and
+    (x A) B (its layer's output wide) beside the layer's own x W, per block (the model's adapters over its blocks)."""
+    if not cfg.model.lora_rank:
+        return 0
+    _, params, _, _ = abstract_state(cfg)
+    widths = sum(sum(x.shape) for name, x in zip(param_names(params), jax.tree.leaves(params), strict=True)
+                 if name.endswith("lora_b"))  # fmt: skip
+    return widths * tokens * itemsize // cfg.model.n_layers
 
 
 def block_policy(cfg: Config, strategy: str | None = None) -> str:

@@ -9,7 +9,10 @@ stack)."""
 import dataclasses
 import functools
 import json
+import os
 import shutil
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -160,7 +163,8 @@ def assert_base_untouched(state, before):
 def test_four_devices_train_adapters_as_one_and_the_base_never_moves(option):
     """4 devices give one device's losses and adapters (dropout on, drawn per global row), under every strategy; the
     frozen base (bfloat16) is bit-identical after training, has no optimizer state, and no gradient leaves the step
-    for it; the optimizer holds AdamW's two moments of the adapters and lm_head alone."""
+    for it; the optimizer holds AdamW's two moments of the adapters and lm_head alone. Under fsdp (hsdp: inside each
+    group of 2) the base stays in rows: each device holds 1/4 (1/2) of every leaf a block or module holds."""
     one, hist1, _ = lora_steps(1, "ddp")
     four, hist4, before = lora_steps(4, option)
     for a, b in zip(hist1, hist4, strict=True):
@@ -169,6 +173,11 @@ def test_four_devices_train_adapters_as_one_and_the_base_never_moves(option):
     cut = lambda s: jax.tree.map(lambda x, w: x[: w.shape[0]], s.params, one.params)  # noqa: E731  (fsdp's padding)
     assert params_close(one.params, cut(four), atol=1e-5) <= 0
     assert_base_untouched(four, before)
+    k = {"fsdp": 4, "hsdp": 2}.get(option.split("-")[0], 1)
+    for path, v in nnx.to_flat_state(adapters.frozen(four.rest)):
+        x = v.get_value()
+        rows = {s.data.shape[0] for s in x.addressable_shards}
+        assert rows == {x.shape[0] // k if len(path) > 1 else x.shape[0]}, (option, path, x.shape, rows)
     trained = sum(x.size for x in jax.tree.leaves(jax.tree.map(np.asarray, one.params)))
     moments = sum(x.size for x in jax.tree.leaves(one.opt_state) if x.ndim)
     assert moments == 2 * trained  # mu and nu of what trains; nothing for the base
@@ -247,12 +256,16 @@ def test_a_library_users_model_trains_adapters_on_the_layers_it_names(tmp_path):
 # ---- a run: resume, another strategy, another base, export and back --------------------------------------------
 
 
+def run_overrides(run_dir: Path, data: Path, base: Path, *extra: str) -> list[str]:
+    return [f"train.init_from={base}", f"data.tokenizer={DATA / 'hf-llama-tiny'}", f"data.source={data}",
+            "data.seq_len=16", "data.val_tokens=256", "train.batch_size=8", "train.log_every=1",
+            "train.eval_every=0", "train.progress=false", "train.tensorboard=false", "optim.lr=1e-2",
+            "optim.warmup_steps=0", "model.lora_rank=4", "model.lora_targets=q_proj,v_proj,down_proj",
+            "model.lora_modules_to_save=lm_head", f"train.run_dir={run_dir}", *extra]  # fmt: skip
+
+
 def run_config(run_dir: Path, data: Path, base: Path, *extra: str):
-    overrides = [f"train.init_from={base}", f"data.tokenizer={DATA / 'hf-llama-tiny'}", f"data.source={data}",
-                 "data.seq_len=16", "data.val_tokens=256", "train.batch_size=8", "train.log_every=1",
-                 "train.eval_every=0", "train.progress=false", "train.tensorboard=false", "optim.lr=1e-2",
-                 "optim.warmup_steps=0", "model.lora_rank=4", "model.lora_targets=q_proj,v_proj,down_proj",
-                 "model.lora_modules_to_save=lm_head", f"train.run_dir={run_dir}", *extra]  # fmt: skip
+    overrides = run_overrides(run_dir, data, base, *extra)
     return checked_import(load_config(None, overrides), explicit_keys(overrides))[0]
 
 
@@ -276,10 +289,21 @@ def resumed_at_2(ref: Path, to: Path) -> Path:
     return to
 
 
-def test_a_resumed_lora_run_is_bit_identical_and_its_checkpoints_hold_no_base(lora_run, tmp_path):
+def test_a_lora_run_killed_while_saving_resumes_bit_identically_and_its_checkpoints_hold_no_base(lora_run, tmp_path):
+    """`jdp train` (4 devices) SIGKILLed just after it starts saving step 4: run again, it resumes from its checkpoint
+    at 2, made its base again, and ends as the uninterrupted run, bit for bit (every loss, the adapters' digest)."""
+    import inject
+
     data, ref = lora_run
-    resumed = resumed_at_2(ref, tmp_path / "resumed")
-    train(run_config(resumed, data, DATA / "hf-llama-tiny", "train.steps=4", "train.ckpt_every=2"))
+    resumed = tmp_path / "resumed"
+    job = ["train.steps=4", "train.ckpt_every=2"]
+    env, override = inject.register(dict(os.environ), JDP_TEST_KILL="4:save")
+    killed = subprocess.run([sys.executable, "-m", "jdp.cli", "train", *run_overrides(resumed, data, DATA / "hf-llama-tiny",
+                                                                                      *job), override],
+                            env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir() if p.name.isdigit()) == ["2"]
+    train(run_config(resumed, data, DATA / "hf-llama-tiny", *job))
     summary = lambda d: json.loads((d / "summary.json").read_text())  # noqa: E731
     assert summary(resumed)["resumed_from"] == 2
     assert summary(resumed)["params_sha256"] == summary(ref)["params_sha256"]

@@ -12,10 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from jdp.parallel import strategies, sync
 from jdp.parallel.comm_hooks import CommHook
-from jdp.parallel.mesh import Batch, make_mesh, per_group, replicate, replicated
+from jdp.parallel.mesh import Batch, make_mesh, per_group, replicated
 from jdp.parallel.remat import Remat, recomputing
 from jdp.parallel.step import (
     LossFn,
@@ -65,7 +66,7 @@ def init_state(
     layout = steps.layout(mesh)
     layout.check(optimizer, params)
     own = tuple(tuple(x.shape) for x in jax.tree.leaves(params)) if layout.splits_parameters else None
-    params, rest = layout.place(params, mesh), replicate(rest, mesh)
+    params, rest = layout.place(params, mesh), layout.place_rest(rest, mesh)
     return graphdef, _with_optimizer(params, rest, optimizer, mesh, strategy, comm_hook, own)
 
 
@@ -92,7 +93,8 @@ def init_state_from(
         _, p, r = nnx.split(make_model(), nnx.Param, ...)
         return layout.view(p), r
 
-    params, rest = jax.jit(made, out_shardings=(split, jax.tree.map(lambda _: replicated(mesh), rest)))()
+    rest_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), layout.rest_specs(rest, mesh))
+    params, rest = jax.jit(made, out_shardings=(split, rest_shardings))()
     return graphdef, _with_optimizer(params, rest, optimizer, mesh, strategy, comm_hook, own)
 
 

@@ -204,6 +204,16 @@ class OptLayout:
         """The parameters placed on `mesh` for this layout: replicated."""
         return replicate(params, mesh)
 
+    def rest_specs(self, rest, mesh: jax.sharding.Mesh):
+        """Where each of the model's other variables lives on `mesh`, as a spec per variable: whole on every device
+        (fsdp's and hsdp's Rows split a frozen base, adapters.py, in rows)."""
+        return _map_variables(lambda _: P(), rest)
+
+    def place_rest(self, rest, mesh: jax.sharding.Mesh):
+        """The model's other variables placed on `mesh` as rest_specs lays them out."""
+        split = lambda v, s: jax.device_put(v, NamedSharding(mesh, s)) if s != P() else replicate(v, mesh)  # noqa: E731
+        return _map_variables(split, rest, self.rest_specs(rest, mesh))
+
     def check(self, optimizer: optax.GradientTransformation, params) -> None:
         """Refuse what this layout cannot hold (whole copies hold any optimizer's state)."""
 
@@ -511,7 +521,7 @@ def make_grad_fn(
     return RefusingDonated(jax.jit(checking_rows(sharded, mesh.devices.size, grad_accum)))
 
 
-def make_eval_step(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh, model_of=None):
+def make_eval_step(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh, model_of=None, layout: OptLayout | None = None):
     """(state, global batch) -> (loss sum, weight sum) over the whole global batch; nothing is updated (the
     model's other variables neither: BatchNorm statistics stay as trained).
 
@@ -521,7 +531,8 @@ def make_eval_step(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh, model_of=
     (each row a batch of one, without "valid") and the rows' sums are weighted by it.
 
     model_of(shapes, params, rest) -> ((params, rest) -> model), if given, builds the model from each device's split
-    parameters (fsdp's, whose state.shapes are their own shapes); else the parameters are replicated."""
+    parameters (fsdp's, whose state.shapes are their own shapes); else the parameters are replicated. `layout`: where
+    the model's other variables lie (its rest_specs: fsdp's frozen base in rows); None: whole on every device."""
     loss_fn = checked_loss(loss_fn)
     axes = batch_axes(mesh)
 
@@ -543,7 +554,8 @@ def make_eval_step(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh, model_of=
             return jax.lax.psum(loss, axes), jax.lax.psum(weight, axes)
 
         spec = P() if shapes is None else jax.tree.map(lambda x: P(shard_axis(mesh)) if x.ndim else P(), params)
-        sharded = jax.shard_map(step, mesh=mesh, in_specs=(spec, P(), P(axes)), out_specs=(P(), P()))
+        rest_spec = P() if layout is None else layout.rest_specs(rest, mesh)
+        sharded = jax.shard_map(step, mesh=mesh, in_specs=(spec, rest_spec, P(axes)), out_specs=(P(), P()))
         return sharded(params, rest, batch)
 
     def eval_step(params, rest, batch, shapes):

@@ -14,6 +14,7 @@ they stay until backward (ZeRO-2-like: faster, one model's worth of parameters m
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import ClassVar
@@ -26,6 +27,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jdp import adapters
+from jdp.nn import Frozen
 from jdp.parallel import remat
 from jdp.parallel.comm_hooks import CommHook
 from jdp.parallel.costs import Buckets, Collectives, Memory, Traffic, tree_bytes
@@ -34,8 +37,8 @@ from jdp.parallel.mesh import GROUP, REPLICA, Batch, batch_axes, replicated, sha
 from jdp.parallel.step import LossFn, OptLayout, TrainState, apply_update, keep_if, local_sums, param_names
 
 __all__ = [
-    "LAYOUT", "Rows", "Units", "block_policy", "layout", "make_eval_step", "make_step", "make_train_step",
-    "opt_shardings", "report_units", "state_bytes", "traffic",
+    "LAYOUT", "Rows", "Units", "base_bytes", "base_rows", "block_policy", "layout", "make_eval_step", "make_step",
+    "make_train_step", "opt_shardings", "report_units", "state_bytes", "traffic",
 ]  # fmt: skip
 
 
@@ -82,6 +85,17 @@ class Rows(OptLayout):
             return jax.tree.map(lambda x, s: _rows_from_host(x, self.shape(x), s), params, shardings)
         return jax.jit(self.view, out_shardings=shardings)(params)
 
+    def rest_specs(self, rest, mesh: jax.sharding.Mesh):
+        """A frozen base (LoRA's, adapters.py) split in rows as the parameters are, over `data` (hsdp: `shard`), but
+        not padded: each leaf of a module whose first axis the devices divide (every one of an 8B Llama's on 8,
+        16 or 64 devices), so the base keeps its shapes everywhere outside the step (checkpoints leave it out, an
+        export reads it whole). The others, and every other variable, whole on every device."""
+        split = base_rows(rest, shard_count(mesh))
+        return jax.tree_util.tree_map_with_path(
+            lambda path, v: P(shard_axis(mesh)) if _key(path) in split else P(), rest,
+            is_leaf=lambda x: isinstance(x, nnx.Variable),
+        )  # fmt: skip
+
     def check(self, optimizer: optax.GradientTransformation, params) -> None:
         """Refuse a scalar parameter, which has no rows to split, and an optimizer whose state is not elementwise."""
         if scalars := [n for n, x in zip(param_names(params), jax.tree.leaves(params), strict=True) if x.ndim == 0]:
@@ -123,6 +137,40 @@ def _shapes(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
+def _key(path) -> tuple[str, ...]:
+    """A variable's path (a pytree path into an nnx.State, or a flat state's tuple) as names."""
+    return tuple(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
+
+
+def base_rows(rest, n: int) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """{path: whole shape} of the frozen leaves split in rows over n devices (Rows.rest_specs): a module's (not the
+    model's own attributes, which no unit gathers), whose first axis n divides."""
+    return {
+        _key(path): tuple(v.shape)
+        for path, v in nnx.to_flat_state(adapters.frozen(rest))
+        if len(path) > 1 and len(v.shape) and v.shape[0] % n == 0
+    }
+
+
+def _whole_base(rest, shapes: dict, axes: Axes):
+    """`rest` with each frozen leaf of `shapes` (relative paths -> whole shapes) that is held in rows here gathered
+    whole: one all-gather each, never differentiated (the base is a constant of the step)."""
+    if not shapes:
+        return rest
+
+    def one(path, v):
+        if isinstance(v, Frozen) and _key(path) in shapes and tuple(v.shape) != shapes[_key(path)]:
+            return v.replace(jax.lax.all_gather(jax.lax.stop_gradient(v.get_value()), axes.shard, tiled=True))
+        return v
+
+    return nnx.from_flat_state([(path, one(path, v)) for path, v in nnx.to_flat_state(rest)])
+
+
+def _within(shapes: dict, prefix: tuple[str, ...]) -> dict:
+    """The entries of `shapes` under `prefix`, keyed by their paths below it."""
+    return {k[len(prefix) :]: s for k, s in shapes.items() if k[: len(prefix)] == prefix}
+
+
 def layout(mesh: jax.sharding.Mesh) -> Rows:
     """Parameters and optimizer state padded along their first axis to a multiple of the devices they are split
     over (all of them; hsdp: a group's), split in rows."""
@@ -151,6 +199,27 @@ def state_bytes(
     gathered = 2 * (unit if reshard_after_forward else tree_bytes(params))
     accumulator = (tree_bytes(params) if accumulate_unsharded else p) if grad_accum > 1 else 0
     return Memory(p + gathered, p, accumulator, opt, opt_note=f"this device's 1/{n}", in_flight=unit, late_grads=True)
+
+
+def base_bytes(base, n: int, compute, reshard_after_forward: bool = True, **_) -> int:
+    """A frozen base's bytes on one device (adapters.py; `base`: its nnx.State of shapes): the leaves held in rows
+    (base_rows) 1/n each, in their dtype, and the largest unit's gathered whole in the compute dtype, twice as the
+    parameters' (without resharding every unit's); the others whole, with their copy converted to the compute dtype
+    where they are held in another (as ddp's). Measured in tests/test_plan.py."""
+    compute, split = jnp.dtype(compute), base_rows(base, n)
+    held = 0
+    units: dict = {}
+    for path, v in nnx.to_flat_state(base):
+        size, dtype = math.prod(v.shape), jnp.dtype(v.dtype)
+        if _key(path) not in split:
+            held += size * (dtype.itemsize + (compute.itemsize if dtype != compute else 0))
+        else:
+            held += size // n * dtype.itemsize
+            m = _BLOCK.match(".".join(_key(path)) + ".")
+            unit = (m.group(1), m.group(2)) if m else _key(path)[0]
+            units[unit] = units.get(unit, 0) + size * compute.itemsize
+    gathered = 2 * (max(units.values(), default=0) if reshard_after_forward else sum(units.values()))
+    return held + gathered
 
 
 def block_policy(remat: str, reshard_after_forward: bool = True, **_) -> str:
@@ -300,15 +369,19 @@ class Units:
     repeated blocks (an nnx.List of modules), gathered for its forward and, resharding, again for its backward.
     `modules` {attribute: leaf indices}: each other module the model holds (embeddings, final norm, output head),
     gathered when first used in a forward and kept to the end of it (a tied embedding is used twice). `outer`: the
-    parameters the model holds itself (GPT's learned positions), gathered before the forward starts."""
+    parameters the model holds itself (GPT's learned positions), gathered before the forward starts. `base`: the
+    frozen leaves held in rows (base_rows: {path: whole shape}), gathered with their block or module, which is
+    wrapped for them alone where it holds no parameter (LoRA's embeddings and norms); never scattered."""
 
     axes: Axes
     blocks: dict
     modules: dict
     outer: tuple
+    base: dict = None
 
     @staticmethod
-    def of_names(names: list[str], mesh: jax.sharding.Mesh | None = None, model=None, checked: bool = True) -> Units:
+    def of_names(names: list[str], mesh: jax.sharding.Mesh | None = None, model=None, checked: bool = True,
+                 base: dict | None = None) -> Units:  # fmt: skip
         blocks: dict = {}
         modules: dict = {}
         outer = []
@@ -321,7 +394,18 @@ class Units:
             else:
                 outer.append(k)
         return Units(Axes.of(mesh, checked) if mesh is not None else None, {key: tuple(v) for key, v in blocks.items()},
-                     {key: tuple(v) for key, v in modules.items()}, tuple(outer))  # fmt: skip
+                     {key: tuple(v) for key, v in modules.items()}, tuple(outer), base or {})  # fmt: skip
+
+    def base_units(self) -> tuple[list, list]:
+        """(block keys, module names) that hold frozen leaves in rows but no parameter: wrapped for the base alone."""
+        blocks, modules = [], []
+        for path in self.base:
+            if m := _BLOCK.match(".".join(path) + "."):
+                if (key := (m.group(1), int(m.group(2)))) not in self.blocks and key not in blocks:
+                    blocks.append(key)
+            elif path[0] not in self.modules and path[0] not in modules:
+                modules.append(path[0])
+        return blocks, modules
 
     def all(self) -> list[tuple]:
         return [*self.blocks.values(), *self.modules.values(), *([self.outer] if self.outer else [])]
@@ -349,6 +433,8 @@ class Units:
             the whole gradients (accumulate_unsharded); None: the gradients are the rows' (reduce-scattered)."""
 
             def gatherer(leaves, ks):
+                if not ks:  # a unit of the frozen base alone
+                    return lambda shards: ()
                 gather = _gatherer(tuple(shapes[k] for k in ks), tuple(leaves[k].dtype for k in ks), self.axes,
                                    reduce_dtype)  # fmt: skip
                 return gather if sinks is None else lambda shards: gather(shards, tuple(sinks[k] for k in ks))
@@ -361,15 +447,18 @@ class Units:
                     whole[k] = x
             model = nnx.merge(graphdef, jax.tree.unflatten(tree, whole), rest, copy=True)
             swapped, chain = [], _Chain()
-            for (path, i), ks in self.blocks.items():
+            base_blocks, base_modules = self.base_units()
+            for (path, i), ks in [*self.blocks.items(), *((key, ()) for key in base_blocks)]:
                 container = _find(model, path)
                 if not isinstance(block := container[i], nnx.Module):
                     raise ValueError(f"strategy='fsdp' gathers {path}.{i} as a block, but it is not a module")
-                container[i] = _Gathered(block, gatherer(leaves, ks), reshard, None, chain)
+                base = _within(self.base, (*path.split("."), str(i)))
+                container[i] = _Gathered(block, gatherer(leaves, ks), reshard, None, chain, base, self.axes)
                 swapped.append((container.__setitem__, i, block))
-            for name, ks in self.modules.items():
+            for name, ks in [*self.modules.items(), *((name, ()) for name in base_modules)]:
                 module = getattr(model, name)
-                setattr(model, name, _Gathered(module, gatherer(leaves, ks), False, _Once()))
+                base = _within(self.base, (name,))
+                setattr(model, name, _Gathered(module, gatherer(leaves, ks), False, _Once(), None, base, self.axes))
                 swapped.append((lambda key, value: setattr(model, key, value), name, module))
 
             def restore():
@@ -419,8 +508,10 @@ class _Gathered(nnx.Module):
     `attend`) gathers them whole and runs it. A block lets go of them after its forward (reshard: gathered again
     for backward); a module with `once` gathers them at its first use and keeps them for the rest of the forward."""
 
-    def __init__(self, module: nnx.Module, gather, reshard: bool, once: _Once | None, chain: _Chain | None = None):
+    def __init__(self, module: nnx.Module, gather, reshard: bool, once: _Once | None, chain: _Chain | None = None,
+                 base: dict | None = None, axes: Axes | None = None):  # fmt: skip
         self.module, self.gather, self.reshard, self.once, self.chain = module, gather, reshard, once, chain
+        self.base, self.axes = base or {}, axes  # its frozen leaves held in rows: gathered with its parameters
         self.policy = remat.RESHARD if reshard else None  # what backward keeps (None: all, nothing recomputed)
 
     def recompute(self, policy):
@@ -432,7 +523,7 @@ class _Gathered(nnx.Module):
         return self.run("__call__", args, kwargs)
 
     def __getattr__(self, name: str):
-        if name.startswith("_") or name in ("module", "gather", "reshard", "once", "chain", "policy"):
+        if name.startswith("_") or name in ("module", "gather", "reshard", "once", "chain", "policy", "base", "axes"):
             raise AttributeError(name)
         if not callable(getattr(type(self.module), name, None)):
             raise AttributeError(f"strategy='fsdp' gathers {type(self.module).__name__}'s parameters when it is "
@@ -452,12 +543,18 @@ class _Gathered(nnx.Module):
             return self.once.value
 
         def run(leaves, rest, arrays):
-            module = nnx.merge(graphdef, jax.tree.unflatten(tree, list(whole(leaves))), rest)
+            module = nnx.merge(graphdef, jax.tree.unflatten(tree, list(whole(leaves))),
+                               _whole_base(rest, self.base, self.axes))  # fmt: skip
             out = getattr(module, method)(*[arrays.get(i, a) for i, a in enumerate(args)], **kwargs)
-            return out, nnx.split(module, nnx.Param, ...)[2]
+            new = nnx.split(module, nnx.Param, ...)[2]
+            return out, adapters.split_frozen(new)[1] if self.base else new  # the base's rows stay as they were
 
         if self.chain is not None:
-            leaves = self.chain.tie(leaves, arrays)
+            if self.base:  # its base's rows too: untied, XLA:CPU gathers every block's base at the top of the step
+                leaves, base = self.chain.tie((leaves, adapters.frozen(rest)), arrays)
+                rest = adapters.with_frozen(rest, base)
+            else:
+                leaves = self.chain.tie(leaves, arrays)
         if self.policy is not None:  # resharding, or model.remat: gathered again in backward, and recomputed
             run = jax.checkpoint(run, policy=self.policy)
         out, rest = run(leaves, rest, arrays)
@@ -557,7 +654,7 @@ def split_step(
                 f"init_state(model, optimizer, mesh, strategy='{name}') (or move it with relayout)"
             )
         abstract = _abstract(graphdef, state.param_shapes(), state.rest)
-        units = Units.of_names(param_names(state.params), mesh, abstract, check_vma)
+        units = Units.of_names(param_names(state.params), mesh, abstract, check_vma, base_rows(state.rest, lay.shards))
         build = units.model_of(graphdef, state.shapes, reduce_dtype, reshard)
 
         def forward(loss_fn, params, rest, micro, sinks=None):
@@ -597,11 +694,11 @@ def split_step(
             scale = jnp.where(weight > 0, 1.0 / weight, 0.0)
             return jax.tree.map(lambda g: g * scale, grads_sum), loss_total / weight, weight, new_rest
 
-        specs = _specs(state.params, mesh)
+        specs, rest_specs = _specs(state.params, mesh), lay.rest_specs(state.rest, mesh)
         sharded = jax.shard_map(
-            grads_of, mesh=mesh, in_specs=(specs, P(), P(), P(axes.batch)), out_specs=(specs, P(), P(), P()),
-            check_vma=check_vma,
-        )
+            grads_of, mesh=mesh, in_specs=(specs, rest_specs, P(), P(axes.batch)),
+            out_specs=(specs, P(), P(), rest_specs), check_vma=check_vma,
+        )  # fmt: skip
         grads, loss, weight, rest = sharded(state.params, state.rest, state.step, batch)
         params, opt_state, metrics = apply_update(
             optimizer, schedule, state.step, state.params, state.opt_state, grads, loss, weight, lay,
@@ -622,8 +719,8 @@ def make_eval_step(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh):
     def model_of(shapes, params, rest):
         own = [jax.ShapeDtypeStruct(s, x.dtype) for s, x in zip(shapes, jax.tree.leaves(params), strict=True)]
         abstract = _abstract(graphdef, jax.tree.unflatten(jax.tree.structure(params), own), rest)
-        units = Units.of_names(param_names(params), mesh, abstract)
+        units = Units.of_names(param_names(params), mesh, abstract, base=base_rows(rest, shard_count(mesh)))
         build = units.model_of(graphdef, shapes, "float32", False)
         return lambda p, r: build(p, r)[0]
 
-    return generic(graphdef, loss_fn, mesh, model_of=model_of)
+    return generic(graphdef, loss_fn, mesh, model_of=model_of, layout=layout(mesh))

@@ -19,6 +19,7 @@ from jdp.parallel.strategies import fsdp
 
 __all__ = [
     "LAYOUT",
+    "base_bytes",
     "block_policy",
     "layout",
     "make_eval_step",
@@ -116,6 +117,11 @@ def state_bytes(
     8, where n allows)."""
     return fsdp.state_bytes(params, opt_state, optimizer, _group(n, shard_size), grad_accum, reshard_after_forward,
                             accumulate_unsharded)  # fmt: skip
+
+
+def base_bytes(base, n: int, compute, reshard_after_forward: bool = True, shard_size: int = 0, **_) -> int:
+    """fsdp's, with the base in rows over a group of shard_size devices."""
+    return fsdp.base_bytes(base, _group(n, shard_size), compute, reshard_after_forward)
 
 
 def traffic(

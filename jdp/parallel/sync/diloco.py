@@ -195,7 +195,7 @@ def fragments(names: list[str], n: int, every: int) -> list[tuple[tuple[int, ...
 
 
 def make_outer_step(mesh, outer: Outer, dtype: str, leaves: tuple[int, ...], write: bool, rest_too: bool,
-                    rows: str | None = None):  # fmt: skip
+                    rows: str | None = None, rest_specs=None):  # fmt: skip
     """(groups' params, groups' rest, round params, outer state) -> (the groups' params, their rest, the round params,
     outer state, rest, metrics, digests) for the parameter leaves `leaves` (a fragment; every leaf for plain DiLoCo).
     `digests`: every device's digest of its new round values of the fragment, in the mesh's order, for Step to compare
@@ -206,7 +206,8 @@ def make_outer_step(mesh, outer: Outer, dtype: str, leaves: tuple[int, ...], wri
     values now (else later, `make_mix`); rest_too: the groups' other variables averaged too. rows: the axis the
     parameters, the round's and its momentum are split over in rows (fsdp's layout: `data`; hsdp's: `shard`): each
     device's own rows, or its 1/R slice of them across hsdp's R replicas, are its part of the pseudo-gradient, and
-    its new rows stay where they are (no gather of the parameters inside the group)."""
+    its new rows stay where they are (no gather of the parameters inside the group). rest_specs: where the model's
+    other variables lie in a group (the strategy's layout.rest_specs: fsdp's frozen base in rows); None: whole."""
     g = mesh.shape[GROUP]
     inside = tuple(a for a in mesh.axis_names if a != GROUP)  # a group's devices
     apart = tuple(a for a in inside if a != rows)  # the axes a device's values are sliced over (each sends 1/n)
@@ -270,8 +271,10 @@ def make_outer_step(mesh, outer: Outer, dtype: str, leaves: tuple[int, ...], wri
     # check_vma=False: the results are the same on every device (each computes them from the same gathered bytes in
     # the same order), which shard_map cannot see through the all-gathers.
     mine = P(GROUP, *split)
-    sharded = jax.shard_map(one, mesh=mesh, in_specs=(mine, P(GROUP), split, split),
-                            out_specs=(mine, P(GROUP), split, split, P(), P(), P()), check_vma=False)  # fmt: skip
+    rest_g = P(GROUP) if rest_specs is None else jax.tree.map(lambda s: P(GROUP, *s), rest_specs)
+    rest = P() if rest_specs is None else rest_specs
+    sharded = jax.shard_map(one, mesh=mesh, in_specs=(mine, rest_g, split, split),
+                            out_specs=(mine, rest_g, split, split, rest, P(), P()), check_vma=False)  # fmt: skip
     return jax.jit(sharded, donate_argnums=(0, 1, 2, 3))
 
 
@@ -301,7 +304,8 @@ class Step:
     mean), so no number crosses groups between syncs; a sync's step adds the outer metrics and
     `outer_bytes_per_step` (what each group receives across the slow link per step, averaged over the round)."""
 
-    def __init__(self, inner, mesh, par, names: list[str], sizes: list[int], rows: str | None = None):
+    def __init__(self, inner, mesh, par, names: list[str], sizes: list[int], rows: str | None = None,
+                 rest_specs=None):  # fmt: skip
         self.inner, self.mesh, self.every = inner, mesh, par.outer_every
         self.delay = getattr(par, "outer_delay", 0)
         n = getattr(par, "fragments", 1)
@@ -309,7 +313,7 @@ class Step:
         outer = outer_optimizer(par.outer_lr, par.outer_momentum)
         last = max(range(n), key=lambda f: self.fragments[f][1] == 0)  # the one at the end of the round
         self.rows = rows  # the axis the parameters are split over in rows (fsdp or hsdp inside the groups)
-        self.outer = [make_outer_step(mesh, outer, par.outer_dtype, leaves, not self.delay, f == last, rows)
+        self.outer = [make_outer_step(mesh, outer, par.outer_dtype, leaves, not self.delay, f == last, rows, rest_specs)
                       for f, (leaves, _) in enumerate(self.fragments)]  # fmt: skip
         self.mix = [make_mix(mesh, leaves, getattr(par, "outer_mix", 0.0), rows) for leaves, _ in self.fragments]
         g = mesh.shape[GROUP]
@@ -394,7 +398,9 @@ def make_train_step(graphdef, loss_fn, optimizer, mesh, grad_accum: int, schedul
     """DiLoCo's train step for the strategy's state `state` (its parameters' names place them in fragments)."""
     inner = make_inner_step(graphdef, loss_fn, optimizer, mesh, grad_accum, schedule, par, state.shapes)
     sizes = [math.prod(x.shape) for x in jax.tree.leaves(state.param_shapes())]
-    step = Step(inner, mesh, par, param_names(state.params), sizes, rows=shard_axis(mesh) if state.shapes is not None else None)
+    rest_specs = strategies.get(par.strategy).steps().layout(mesh).rest_specs(state.rest, mesh)  # fsdp's base in rows
+    step = Step(inner, mesh, par, param_names(state.params), sizes, rows=shard_axis(mesh) if state.shapes is not None else None,
+                rest_specs=rest_specs)  # fmt: skip
     return RefusingDonated(step)
 
 
