@@ -129,7 +129,10 @@ def all_reduce_report(cfg: Config) -> tuple[str, dict]:
     found = collectives(lowered.compile().as_text())
     grads = _match(found, grad_kind, buckets, padded)
     gathers = _match(found, "all-gather", *gathered) if s.gathers_parameters else {}
-    mats, whole = _whole_matrices(cfg, state, layout, [a for a in found if id(a) not in gathers])
+    planned_base = getattr(s.steps(), "report_base", lambda *a, **k: [])(graphdef, state, **s.options_of(p))
+    base = _match([a for a in found if id(a) not in gathers], "all-gather", planned_base,
+                  [u.elements for u in planned_base]) if planned_base else {}  # fmt: skip
+    mats, whole = _whole_matrices(cfg, state, layout, [a for a in found if id(a) not in gathers and id(a) not in base])
     param_bytes, padded_bytes, padding = layout.param_bytes(state)  # as the strategy's layout pads them
     lines = [
         f"collectives of the compiled train step: parallel.strategy={strategy}, {n} x {jax.devices()[0].device_kind}, "
@@ -137,17 +140,20 @@ def all_reduce_report(cfg: Config) -> tuple[str, dict]:
         f"train.grad_accum={cfg.train.grad_accum}",
         f"{'#':>3}  {'kind':<14} {'bytes':>13}  {'result':<18} {'in a loop':<9}  contents",
     ]
-    lines += _rows(found, grads, gathers, n_leaves=len(shapes), matrices=whole)
+    lines += _rows(found, grads, gathers, n_leaves=len(shapes), matrices=whole, base=base)
     grad_bytes = sum(a.bytes for a in found if id(a) in grads)
     gather_bytes = sum(a.bytes for a in found if id(a) in gathers)
     emitted_bytes = sum(a.bytes for a in emitted_found if id(a) in emitted)
-    others = [a for a in found if id(a) not in grads and id(a) not in gathers and id(a) not in whole]
+    others = [a for a in found if id(a) not in grads and id(a) not in gathers and id(a) not in whole and id(a) not in base]
     lines.append(
         f"gradients: {len(grads)} {grad_kind}(s), {grad_bytes:,} bytes in all = {grad_bytes / param_bytes:.2f} x "
         f"the parameter bytes ({param_bytes:,} bytes, {n_params:,} parameters{padding})"
     )
     if s.gathers_parameters:
         lines.append(f"parameters: {len(gathers)} all-gather(s), {gather_bytes:,} bytes in all")
+    if base:
+        lines.append(f"the frozen base (LoRA's, in rows): {len(base)} all-gather(s), "
+                     f"{sum(a.bytes for a in found if id(a) in base):,} bytes in all")  # fmt: skip
     if mats:
         lines.append(f"Muon's matrices: {len(whole)} all-gather(s) of {len(mats)} matrices (one loop per shape)")
     lines.append(f"other collectives: {len(others)}, {sum(a.bytes for a in others):,} bytes")
@@ -169,6 +175,7 @@ def all_reduce_report(cfg: Config) -> tuple[str, dict]:
         "gradient_bytes_total": grad_bytes,
         "parameter_all_gathers": len(gathers),
         "parameter_gather_bytes_total": gather_bytes,
+        "base_all_gathers": len(base),
         "muon_matrices": len(mats),
         "muon_all_gathers": len(whole),
         "emitted_gradient_collectives": len(emitted),
@@ -263,7 +270,7 @@ class _Named:
 
 def _rows(
     found: list, grads: dict, gathers: dict, unplanned: str = "not one of jdp's gradient buckets", n_leaves: int = 0,
-    matrices: dict | None = None,
+    matrices: dict | None = None, base: dict | None = None,
 ) -> list[str]:  # fmt: skip
     """One line per collective: kind, bytes, result shape, whether in a loop, and what it carries; the scalar
     all-reduces of the norms share one line (n_leaves: the number of parameter arrays, to count them by)."""
@@ -281,6 +288,11 @@ def _rows(
             what = f"gradient norms: {k} partial sums of squares {how}, one per parameter and norm{per}"
             rows.append(_row(len(rows) + 1, a.kind, sum(c.bytes for c in norms), shapes,
                              any(c.in_loop for c in norms), what))  # fmt: skip
+        elif base and id(a) in base:
+            b = base[id(a)]
+            more = f" + {len(b.names) - 3} more" if len(b.names) > 3 else ""
+            rows.append(_row(len(rows) + 1, a.kind, a.bytes, a.shapes, a.in_loop,
+                             f"frozen base: {', '.join(b.names[:3])}{more}"))  # fmt: skip
         elif matrices and id(a) in matrices:
             what = f"Muon: the whole matrix for Newton-Schulz: {matrices[id(a)].names[0]}"
             rows.append(_row(len(rows) + 1, a.kind, a.bytes, a.shapes, a.in_loop, what))

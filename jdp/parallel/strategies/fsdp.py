@@ -38,7 +38,7 @@ from jdp.parallel.step import LossFn, OptLayout, TrainState, apply_update, keep_
 
 __all__ = [
     "LAYOUT", "Rows", "Units", "base_bytes", "base_rows", "block_policy", "layout", "make_eval_step", "make_step",
-    "make_train_step", "opt_shardings", "report_units", "state_bytes", "traffic",
+    "make_train_step", "opt_shardings", "report_base", "report_units", "state_bytes", "traffic",
 ]  # fmt: skip
 
 
@@ -154,16 +154,17 @@ def base_rows(rest, n: int) -> dict[tuple[str, ...], tuple[int, ...]]:
 
 def _whole_base(rest, shapes: dict, axes: Axes):
     """`rest` with each frozen leaf of `shapes` (relative paths -> whole shapes) that is held in rows here gathered
-    whole: one all-gather each, never differentiated (the base is a constant of the step)."""
-    if not shapes:
+    whole: one all-gather per dtype (as a unit's parameters), never differentiated (a constant of the step)."""
+    flat = list(nnx.to_flat_state(rest))
+    ks = [k for k, (path, v) in enumerate(flat)
+          if isinstance(v, Frozen) and _key(path) in shapes and tuple(v.shape) != shapes[_key(path)]]  # fmt: skip
+    if not ks:
         return rest
-
-    def one(path, v):
-        if isinstance(v, Frozen) and _key(path) in shapes and tuple(v.shape) != shapes[_key(path)]:
-            return v.replace(jax.lax.all_gather(jax.lax.stop_gradient(v.get_value()), axes.shard, tiled=True))
-        return v
-
-    return nnx.from_flat_state([(path, one(path, v)) for path, v in nnx.to_flat_state(rest)])
+    whole = _gather([jax.lax.stop_gradient(flat[k][1].get_value()) for k in ks],
+                    [shapes[_key(flat[k][0])] for k in ks], axes)  # fmt: skip
+    for k, x in zip(ks, whole, strict=True):
+        flat[k] = (flat[k][0], flat[k][1].replace(x))
+    return nnx.from_flat_state(flat)
 
 
 def _within(shapes: dict, prefix: tuple[str, ...]) -> dict:
@@ -262,6 +263,25 @@ def report_units(graphdef, state: TrainState, reshard_after_forward: bool = True
     scatters = [bucket(ks) for ks in units.all()]
     gathers = scatters + ([bucket(ks) for ks in units.blocks.values()] if reshard_after_forward else [])
     return scatters, gathers
+
+
+def report_base(graphdef, state: TrainState, reshard_after_forward: bool = True, **_) -> list:
+    """The frozen base's all-gathers `jdp allreduce` matches (adapters.py; base_rows): one per unit and use, as the
+    parameters' (a block's again for its backward when resharding), as buckets of whole elements."""
+    from jdp.parallel.buckets import Bucket
+
+    mesh = next(x.sharding.mesh for x in jax.tree.leaves(state.params) if x.ndim)
+    units: dict = {}
+    for path, shape in base_rows(state.rest, shard_count(mesh)).items():
+        m = _BLOCK.match(".".join(path) + ".")
+        names, size = units.setdefault((m.group(1), m.group(2)) if m else path[0], ([], [0]))
+        names.append(".".join(path))
+        size[0] += math.prod(shape)
+    gathers = []
+    for unit, (names, (size,)) in units.items():
+        uses = 2 if reshard_after_forward and isinstance(unit, tuple) else 1
+        gathers += [Bucket((), tuple(names), size, 0)] * uses
+    return gathers
 
 
 def _leaf_rows(shape: tuple, n: int) -> int:

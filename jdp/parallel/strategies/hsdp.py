@@ -26,6 +26,7 @@ __all__ = [
     "make_step",
     "make_train_step",
     "opt_shardings",
+    "report_base",
     "report_units",
     "state_bytes",
     "traffic",
@@ -34,7 +35,7 @@ __all__ = [
 LAYOUT, layout = fsdp.LAYOUT, fsdp.layout
 opt_shardings = fsdp.opt_shardings
 make_eval_step = fsdp.make_eval_step
-report_units = fsdp.report_units
+report_units, report_base = fsdp.report_units, fsdp.report_base
 block_policy = fsdp.block_policy
 
 
