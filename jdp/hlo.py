@@ -104,23 +104,19 @@ def _planned(name: str) -> strategies.Strategy:
 
 
 def all_reduce_report(cfg: Config) -> tuple[str, dict]:
-    """Compile the configured train step on this job's devices and list its collectives (no data, no run).
-
-    ddp: the gradient all-reduces; zero1: the gradient reduce-scatters and the parameter all-gathers. Returns the
-    printable table and the numbers: count and bytes of each kind, and the (padded) parameter bytes they must
-    add up to.
-    """
-    strategy, s = cfg.parallel.strategy, _planned(cfg.parallel.strategy)
+    """Compile the configured train step on this job's devices and list its collectives (no data, no run): the
+    printable table and the numbers (count and bytes of each kind, and the padded parameter bytes they add up to).
+    ddp: the gradient all-reduces; zero1: the gradient reduce-scatters and the parameter all-gathers."""
+    strategy, s, p = cfg.parallel.strategy, _planned(cfg.parallel.strategy), cfg.parallel
     mesh = parallel.mesh_for(cfg.parallel)
     n = mesh.devices.size
     derived = validate(cfg, n, jax.process_count())
     graphdef, state, train_step, n_params, *_ = build(cfg, mesh)
     spec = batch_spec(cfg, mesh)
     micro = {k: jax.ShapeDtypeStruct((derived.micro_batch, *v.shape[1:]), v.dtype) for k, v in spec.items()}
-    p = cfg.parallel
     layout = s.steps().layout(mesh)  # a split layout pads every gradient and parameter to a multiple of its shards
-    pad = layout.shards or 1  # the multiple each padded leaf has (1: whole copies)
-    buckets, padded, gathered = _planned_collectives(s, graphdef, state, micro, p, pad)
+    # (layout.shards: the multiple each padded leaf has; 1: whole copies)
+    buckets, padded, gathered = _planned_collectives(s, graphdef, state, micro, p, layout.shards or 1)
     shapes = jax.tree.leaves(state.param_shapes())
     grad_kind = s.gradients
     lowered = train_step.lower(state, spec)
@@ -129,9 +125,7 @@ def all_reduce_report(cfg: Config) -> tuple[str, dict]:
     found = collectives(lowered.compile().as_text())
     grads = _match(found, grad_kind, buckets, padded)
     gathers = _match(found, "all-gather", *gathered) if s.gathers_parameters else {}
-    planned_base = getattr(s.steps(), "report_base", lambda *a, **k: [])(graphdef, state, **s.options_of(p))
-    base = _match([a for a in found if id(a) not in gathers], "all-gather", planned_base,
-                  [u.elements for u in planned_base]) if planned_base else {}  # fmt: skip
+    base = _base_gathers(s, graphdef, state, p, [a for a in found if id(a) not in gathers])
     mats, whole = _whole_matrices(cfg, state, layout, [a for a in found if id(a) not in gathers and id(a) not in base])
     param_bytes, padded_bytes, padding = layout.param_bytes(state)  # as the strategy's layout pads them
     lines = [
@@ -152,8 +146,7 @@ def all_reduce_report(cfg: Config) -> tuple[str, dict]:
     if s.gathers_parameters:
         lines.append(f"parameters: {len(gathers)} all-gather(s), {gather_bytes:,} bytes in all")
     if base:
-        lines.append(f"the frozen base (LoRA's, in rows): {len(base)} all-gather(s), "
-                     f"{sum(a.bytes for a in found if id(a) in base):,} bytes in all")  # fmt: skip
+        lines.append(f"the frozen base (LoRA's, in rows): {len(base)} all-gather(s), {_bytes(found, base):,} bytes in all")
     if mats:
         lines.append(f"Muon's matrices: {len(whole)} all-gather(s) of {len(mats)} matrices (one loop per shape)")
     lines.append(f"other collectives: {len(others)}, {sum(a.bytes for a in others):,} bytes")
@@ -189,6 +182,17 @@ def all_reduce_report(cfg: Config) -> tuple[str, dict]:
         "in_loop": sum(a.in_loop for a in found),
     }
     return "\n".join(lines), numbers
+
+
+def _bytes(found: list, matched: dict) -> int:
+    return sum(a.bytes for a in found if id(a) in matched)
+
+
+def _base_gathers(s: strategies.Strategy, graphdef, state, p, found: list) -> dict:
+    """A frozen base's all-gathers (LoRA's under fsdp and hsdp: the strategy's report_base), matched among `found`:
+    id(collective) -> its unit's base."""
+    planned = getattr(s.steps(), "report_base", lambda *a, **k: [])(graphdef, state, **s.options_of(p))
+    return _match(found, "all-gather", planned, [u.elements for u in planned]) if planned else {}
 
 
 def _whole_matrices(cfg: Config, state, layout, found: list) -> tuple[list, dict]:

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from jdp.parallel import strategies, sync
 from jdp.parallel.comm_hooks import CommHook
@@ -93,8 +92,7 @@ def init_state_from(
         _, p, r = nnx.split(make_model(), nnx.Param, ...)
         return layout.view(p), r
 
-    rest_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), layout.rest_specs(rest, mesh))
-    params, rest = jax.jit(made, out_shardings=(split, rest_shardings))()
+    params, rest = jax.jit(made, out_shardings=(split, layout.rest_shardings(rest, mesh)))()
     return graphdef, _with_optimizer(params, rest, optimizer, mesh, strategy, comm_hook, own)
 
 

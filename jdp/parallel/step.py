@@ -209,6 +209,9 @@ class OptLayout:
         (fsdp's and hsdp's Rows split a frozen base, adapters.py, in rows)."""
         return _map_variables(lambda _: P(), rest)
 
+    def rest_shardings(self, rest, mesh: jax.sharding.Mesh):
+        return jax.tree.map(lambda s: NamedSharding(mesh, s), self.rest_specs(rest, mesh))
+
     def place_rest(self, rest, mesh: jax.sharding.Mesh):
         """The model's other variables placed on `mesh` as rest_specs lays them out."""
         split = lambda v, s: jax.device_put(v, NamedSharding(mesh, s)) if s != P() else replicate(v, mesh)  # noqa: E731

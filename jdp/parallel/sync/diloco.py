@@ -206,8 +206,7 @@ def make_outer_step(mesh, outer: Outer, dtype: str, leaves: tuple[int, ...], wri
     values now (else later, `make_mix`); rest_too: the groups' other variables averaged too. rows: the axis the
     parameters, the round's and its momentum are split over in rows (fsdp's layout: `data`; hsdp's: `shard`): each
     device's own rows, or its 1/R slice of them across hsdp's R replicas, are its part of the pseudo-gradient, and
-    its new rows stay where they are (no gather of the parameters inside the group). rest_specs: where the model's
-    other variables lie in a group (the strategy's layout.rest_specs: fsdp's frozen base in rows); None: whole."""
+    its new rows stay (no gather inside the group). rest_specs: the layout's (fsdp's frozen base in rows; None: whole)."""
     g = mesh.shape[GROUP]
     inside = tuple(a for a in mesh.axis_names if a != GROUP)  # a group's devices
     apart = tuple(a for a in inside if a != rows)  # the axes a device's values are sliced over (each sends 1/n)
@@ -270,9 +269,8 @@ def make_outer_step(mesh, outer: Outer, dtype: str, leaves: tuple[int, ...], wri
 
     # check_vma=False: the results are the same on every device (each computes them from the same gathered bytes in
     # the same order), which shard_map cannot see through the all-gathers.
-    mine = P(GROUP, *split)
-    rest_g = P(GROUP) if rest_specs is None else jax.tree.map(lambda s: P(GROUP, *s), rest_specs)
-    rest = P() if rest_specs is None else rest_specs
+    mine, rest = P(GROUP, *split), P() if rest_specs is None else rest_specs
+    rest_g = jax.tree.map(lambda s: P(GROUP, *s), rest)
     sharded = jax.shard_map(one, mesh=mesh, in_specs=(mine, rest_g, split, split),
                             out_specs=(mine, rest_g, split, split, rest, P(), P()), check_vma=False)  # fmt: skip
     return jax.jit(sharded, donate_argnums=(0, 1, 2, 3))
