@@ -167,6 +167,12 @@ def _whole_base(rest, shapes: dict, axes: Axes):
     return nnx.from_flat_state(flat)
 
 
+def _unit(path: tuple[str, ...]):
+    """The unit a leaf at `path` is gathered with (Units): its block, (container path, index), or its module's name."""
+    m = _BLOCK.match(".".join(path) + ".")
+    return (m.group(1), int(m.group(2))) if m else path[0]
+
+
 def _within(shapes: dict, prefix: tuple[str, ...]) -> dict:
     """The entries of `shapes` under `prefix`, keyed by their paths below it."""
     return {k[len(prefix) :]: s for k, s in shapes.items() if k[: len(prefix)] == prefix}
@@ -216,9 +222,7 @@ def base_bytes(base, n: int, compute, reshard_after_forward: bool = True, **_) -
             held += size * (dtype.itemsize + (compute.itemsize if dtype != compute else 0))
         else:
             held += size // n * dtype.itemsize
-            m = _BLOCK.match(".".join(_key(path)) + ".")
-            unit = (m.group(1), m.group(2)) if m else _key(path)[0]
-            units[unit] = units.get(unit, 0) + size * compute.itemsize
+            units[_unit(_key(path))] = units.get(_unit(_key(path)), 0) + size * compute.itemsize
     gathered = 2 * (max(units.values(), default=0) if reshard_after_forward else sum(units.values()))
     return held + gathered
 
@@ -273,8 +277,7 @@ def report_base(graphdef, state: TrainState, reshard_after_forward: bool = True,
     mesh = next(x.sharding.mesh for x in jax.tree.leaves(state.params) if x.ndim)
     units: dict = {}
     for path, shape in base_rows(state.rest, shard_count(mesh)).items():
-        m = _BLOCK.match(".".join(path) + ".")
-        names, size = units.setdefault((m.group(1), m.group(2)) if m else path[0], ([], [0]))
+        names, size = units.setdefault(_unit(path), ([], [0]))
         names.append(".".join(path))
         size[0] += math.prod(shape)
     gathers = []
@@ -418,14 +421,9 @@ class Units:
 
     def base_units(self) -> tuple[list, list]:
         """(block keys, module names) that hold frozen leaves in rows but no parameter: wrapped for the base alone."""
-        blocks, modules = [], []
-        for path in self.base:
-            if m := _BLOCK.match(".".join(path) + "."):
-                if (key := (m.group(1), int(m.group(2)))) not in self.blocks and key not in blocks:
-                    blocks.append(key)
-            elif path[0] not in self.modules and path[0] not in modules:
-                modules.append(path[0])
-        return blocks, modules
+        units = list(dict.fromkeys(_unit(path) for path in self.base))
+        return ([u for u in units if isinstance(u, tuple) and u not in self.blocks],
+                [u for u in units if isinstance(u, str) and u not in self.modules])  # fmt: skip
 
     def all(self) -> list[tuple]:
         return [*self.blocks.values(), *self.modules.values(), *([self.outer] if self.outer else [])]
