@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import operator
@@ -54,6 +55,7 @@ from jdp.hardware import DEFAULT_MFU, INTERCONNECTS, gpu_spec, link_for
 from jdp.metrics import flops_per_token, read_metrics, recompute_flops_per_token
 from jdp.models import make_model
 from jdp.models.common import lm_loss
+from jdp.models.config import ModelConfig
 from jdp.optim import make_optimizer, whole_matrices
 from jdp.parallel import strategies, sync
 from jdp.parallel.buckets import bucket_plan
@@ -97,11 +99,15 @@ SCALING_NS = tuple(2**k for k in range(11))  # 1, 2, 4, ..., 1024
 # ---- Memory ----
 
 
+def abstract_model(m: ModelConfig) -> nnx.Module:
+    """The model `m` describes, with the adapters model.lora_* ask for, as shapes only: nothing is allocated."""
+    return nnx.eval_shape(lambda: peft.add_adapters(make_model(m, nnx.Rngs(0)), m) if m.lora_rank
+                          else make_model(m, nnx.Rngs(0)))  # fmt: skip
+
+
 def abstract_state(cfg: Config):
     """(graphdef, params, rest, optimizer state) as shapes only: nothing is allocated."""
-    model = nnx.eval_shape(lambda: peft.add_adapters(make_model(cfg.model, nnx.Rngs(0)), cfg.model) if cfg.model.lora_rank
-                           else make_model(cfg.model, nnx.Rngs(0)))  # fmt: skip
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # with adapters: `params` is what trains
+    graphdef, params, rest = nnx.split(abstract_model(cfg.model), nnx.Param, ...)  # with adapters: what trains
     optimizer, _ = make_optimizer(cfg.optim, cfg.train.steps)
     return graphdef, params, rest, jax.eval_shape(optimizer.init, params)
 
@@ -227,12 +233,16 @@ def activation_bytes(
 def adapter_dots(cfg: Config, tokens: int, itemsize: int) -> int:
     """What a block's LoRA adapters add to the matrix products a dots policy keeps: each adapter's x A (r wide) and
     (x A) B (its layer's output wide) beside the layer's own x W, per block (the model's adapters over its blocks)."""
-    if not cfg.model.lora_rank:
-        return 0
-    _, params, _, _ = abstract_state(cfg)
-    widths = sum(sum(x.shape) for name, x in zip(param_names(params), jax.tree.leaves(params), strict=True)
-                 if name.endswith("lora_b"))  # fmt: skip
-    return widths * tokens * itemsize // cfg.model.n_layers
+    return _adapter_widths(cfg.model) * tokens * itemsize // cfg.model.n_layers if cfg.model.lora_rank else 0
+
+
+@functools.lru_cache(maxsize=8)
+def _adapter_widths(m: ModelConfig) -> int:
+    """r + out summed over the model's adapters (each lora_b is r x out): traced once per model, not per estimate
+    (`jdp plan` asks for every strategy and batch size; an 8B model takes a second to trace)."""
+    params = nnx.state(abstract_model(m), nnx.Param)
+    return sum(sum(x.shape) for name, x in zip(param_names(params), jax.tree.leaves(params), strict=True)
+               if name.endswith("lora_b"))  # fmt: skip
 
 
 def block_policy(cfg: Config, strategy: str | None = None) -> str:
