@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import os
 import re
 import shutil
+import socket
 import sys
 import time
 from pathlib import Path
@@ -131,9 +133,16 @@ def _leaf_checksums(tree) -> list[jax.Array]:
 
 def checksums(tree) -> dict[str, int]:
     """Per leaf, a 32-bit checksum of its exact bytes, computed where the arrays live (only the sums are fetched)."""
-    sums = jax.device_get(_leaf_checksums(tree))
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
-    return {path: int(s) for path, s in zip(paths, sums, strict=True)}
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    groups: dict[frozenset, list[int]] = {}  # one computation per set of devices: dp keeps its optimizer state on
+    for i, (_, x) in enumerate(leaves):  # one device and the rest on all (one jit call cannot take both)
+        sharding = getattr(x, "sharding", None)
+        groups.setdefault(frozenset(sharding.device_set) if sharding is not None else frozenset(), []).append(i)
+    sums = [0] * len(leaves)
+    for members in groups.values():
+        for i, s in zip(members, jax.device_get(_leaf_checksums([leaves[i][1] for i in members])), strict=True):
+            sums[i] = s
+    return {jax.tree_util.keystr(path): int(s) for (path, _), s in zip(leaves, sums, strict=True)}
 
 
 class ChecksumMismatch(ValueError):
@@ -291,6 +300,28 @@ class SaveFailed(RuntimeError):
     """A checkpoint could not be written: the message names its step, its directory and the space left there."""
 
 
+def _fix_for(code: int | None, where: Path) -> str:
+    """What to do about a write that failed with OS error `code` in `where`."""
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return "free some space"
+    if code in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return f"make {where} writable (or point train.run_dir at a writable directory)"
+    return "fix the cause named above"
+
+
+def check_writable(where: Path) -> None:
+    """A file can be made and removed in `where` (each process its own name), or a ConfigError before any compute:
+    a read-only or full checkpoints directory would otherwise fail the first save, after the first steps."""
+    probe = where / f".jdp-write-check-{socket.gethostname()}-{os.getpid()}"
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"jdp")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot write there ({e.strerror or e}); checkpoints go there: "
+                          f"{_fix_for(e.errno, where)}") from None  # fmt: skip
+
+
 class Checkpoints:
     """The run's checkpoints under RUN_DIR/checkpoints/STEP: train state + a JSON record (step, data, config).
 
@@ -309,6 +340,7 @@ class Checkpoints:
         self.writing: int | None = None  # the step whose asynchronous save may still be running, or may have failed
         if not read_only:
             _quiet_failed_saves()
+            check_writable(self.dir)
         with _quiet_read_only_warnings(read_only):  # orbax warns while building the options, not the manager
             if read_only:
                 options = ocp.CheckpointManagerOptions(
@@ -385,6 +417,7 @@ class Checkpoints:
         for partial in self.dir.glob(f"{step}.orbax-checkpoint-tmp*"):  # each process: its disk may be its own
             shutil.rmtree(partial, ignore_errors=True)
         code = re.search(r"os_error_code='(\d+)'", str(e))  # tensorstore reports the OS error in its message
+        errno_ = int(code[1]) if code else getattr(e, "errno", None)
         if code:
             reason = os.strerror(int(code[1]))
         elif isinstance(e, OSError) and e.strerror:
@@ -399,7 +432,8 @@ class Checkpoints:
         before = "no checkpoint was saved before it" if newest is None else f"the newest checkpoint is step {newest}"
         return SaveFailed(
             f"the checkpoint at step {step} could not be written to {self.dir / str(step)}: {reason} ({free}). "
-            f"The partial checkpoint was removed and {before}: free some space and run the same command to resume"
+            f"The partial checkpoint was removed and {before}: {_fix_for(errno_, self.dir)} and run the same command "
+            f"to resume"
         )
 
     def restore_latest(self, state_like, check=lambda record: None, target=None) -> tuple[int, object, dict] | None:

@@ -31,9 +31,9 @@ def generate_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="continue each line of FILE (blank lines skipped), in one batch; prints one JSON line per prompt",
     )
-    parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate at most (default 200)")
+    parser.add_argument("--max-new-tokens", type=_at_least(1), default=200, help="tokens to generate at most (default 200)")
     parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8)")
-    parser.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest tokens; 0: all (default 40)")
+    parser.add_argument("--top-k", type=_at_least(0), default=40, help="sample from the k likeliest tokens; 0: all (default 40)")
     parser.add_argument("--seed", type=int, default=0, help="the same seed gives the same text (default 0)")
     parser.add_argument(
         "--no-cache",
@@ -45,7 +45,7 @@ def generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("args", nargs="*", metavar="[CONFIG] [section.key=value ...]")
-    parser.add_argument("--devices", type=int, required=True, help="the number of GPUs to plan for")
+    parser.add_argument("--devices", type=_at_least(1), required=True, help="the number of GPUs to plan for")
     parser.add_argument("--gpu", default="H100", help=f"one of {', '.join(GPUS)} (default H100)")
     link = parser.add_mutually_exclusive_group()
     link.add_argument("--interconnect", help=f"all-reduce over this link for every N: {', '.join(INTERCONNECTS)}")
@@ -69,12 +69,28 @@ def _slow_link(text: str) -> tuple[float, float]:
     return gbs, ms
 
 
+def _at_least(minimum: int):
+    """An argparse type: an integer >= minimum (argparse's own int takes -2 devices)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value}: give {minimum} or more")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in its own errors
+    return parse
+
+
 def _device_ids(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(","))
 
 
 def _train(args: argparse.Namespace) -> int:
-    from jdp.config import explicit_keys, load_config
+    from jdp.config import check, explicit_keys, load_config
     from jdp.job.join import JoinError
     from jdp.job.process import watch_launcher
     from jdp.job.world import WorldError, resolve_world
@@ -82,6 +98,7 @@ def _train(args: argparse.Namespace) -> int:
     watch_launcher()  # a worker of `jdp launch` never outlives it
     config, overrides = split_config_args(args.args)
     cfg = load_config(config, overrides)
+    check(cfg)  # a typo is one line, before anything is built from it
     from jdp.parallel import strategies
 
     strategies.get(cfg.parallel.strategy).set_xla_flags(cfg.parallel.bucket_mb)  # before JAX touches a device
@@ -105,8 +122,25 @@ def _train(args: argparse.Namespace) -> int:
         code = 1 if isinstance(e, RunError) else 2
         if world.num_processes > 1:
             leave_job(code)  # not through JAX's shutdown barrier, where peers that are gone would be awaited
+        exit_despite_threads(code)
         return code
     return 0
+
+
+def exit_despite_threads(code: int, grace_s: float = 10.0) -> None:
+    """After a failed run, end the process even where a library's threads would hold it at exit forever (orbax's
+    wait for the signals of a save that failed: a read-only or full disk hung `jdp train` after its error)."""
+    import time
+
+    deadline = time.monotonic() + grace_s
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    if stuck := [t.name for t in threading.enumerate() if t.is_alive() and not t.daemon and t is not threading.main_thread()]:
+        log.warning(f"{len(stuck)} thread(s) still running {grace_s:g} s after the error ({', '.join(stuck[:3])}); "
+                    f"exiting without them")  # fmt: skip
+        logging.shutdown()
+        os._exit(code)
 
 
 def _allreduce(args: argparse.Namespace) -> int:
@@ -115,11 +149,12 @@ def _allreduce(args: argparse.Namespace) -> int:
         os.environ["XLA_FLAGS"] = (
             os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
         ).strip()
-    from jdp.config import load_config
+    from jdp.config import check, load_config
     from jdp.hlo import all_reduce_report, compression_report
 
     config, overrides = split_config_args(args.args)
     cfg = load_config(config, overrides)
+    check(cfg)
     from jdp.parallel import strategies
 
     strategies.get(cfg.parallel.strategy).set_xla_flags(cfg.parallel.bucket_mb)
@@ -151,7 +186,7 @@ def _export(args: argparse.Namespace) -> int:
 def export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by jdp train")
     p.add_argument("out_dir", metavar="OUT_DIR", help="the directory to write (must not exist, or be empty)")
-    p.add_argument("--step", type=int, help="the checkpoint at this step (default: the newest that restores)")
+    p.add_argument("--step", type=_at_least(0), help="the checkpoint at this step (default: the newest that restores)")
     p.add_argument("--adapter", action="store_true",
                    help="a LoRA run's adapters alone, in PEFT's format (adapter_model.safetensors, adapter_config.json)")
 
@@ -185,7 +220,7 @@ def train_arguments(p: argparse.ArgumentParser) -> None:
 
 def allreduce_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("args", nargs="*", metavar="[CONFIG] [section.key=value ...]")
-    p.add_argument("--devices", type=int, help="compile for N simulated CPU devices instead of this machine's")
+    p.add_argument("--devices", type=_at_least(1), help="compile for N simulated CPU devices instead of this machine's")
     p.add_argument("--json", action="store_true", help="also print the numbers as one JSON line")
 
 
@@ -353,6 +388,13 @@ def main(argv: list[str] | None = None) -> int:
             return args.func(args)
     except ConfigError as e:
         log.error(str(e))
+        return 2
+    except (AssertionError, RuntimeError) as e:  # JAX_PLATFORMS naming a platform this jaxlib cannot start
+        from jdp.job.xla import platform_problem
+
+        if (problem := platform_problem(e)) is None:
+            raise
+        log.error(problem)
         return 2
     except ImportError as e:  # a C extension's initialization interrupted by Ctrl-C fails as "initialization failed"
         if (interrupt := interrupt_in(e)) is None:

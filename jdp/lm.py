@@ -11,7 +11,7 @@ from flax import nnx
 
 from jdp import hf, live, peft
 from jdp.build import comm_hook, run_model
-from jdp.config import Config, ConfigError, Derived
+from jdp.config import Config, ConfigError, Derived, check
 from jdp.data.dataset import Source
 from jdp.data.pipeline import Data, load_data
 from jdp.data.tokens import documents
@@ -43,6 +43,7 @@ class LanguageModel(Trainer):
     unit = "tokens"
 
     def __init__(self, cfg: Config, world: World | None = None, adopted: list[str] = (), handle_signals=True):
+        check(cfg)  # before the optimizer is built from it
         optimizer, schedule = make_optimizer(cfg.optim, cfg.train.steps)
         super().__init__(None, lm_loss, optimizer, None, cfg, schedule=schedule, world=world,
                          comm_hook=comm_hook(cfg.parallel, cfg.train.seed), handle_signals=handle_signals)  # fmt: skip

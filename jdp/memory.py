@@ -10,6 +10,7 @@ against the host's available memory (MemAvailable, or less where a cgroup limit 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -275,20 +276,35 @@ def _batch_changes(
         return pool.need(held[accum].with_activations(plan.activation_bytes(cfg, micro, fused, strategy, frees)))
 
     out = []
-    # Activations grow with the micro-batch: the first that fits, counting down, is the largest.
-    if micro := next((k for k in range(derived.micro_batch - 1, 0, -1) if need(k, t.grad_accum) <= pool.available), 0):
+    # Activations grow with the micro-batch: the largest that fits, by bisection (a batch of 10^8 is 27 looks)
+    if micro := _largest(lambda k: need(k, t.grad_accum) <= pool.available, derived.micro_batch - 1):
         out.append(
             f"{prefix}train.batch_size={micro * t.grad_accum * n} ({micro} sequence(s) per device per micro-batch "
             f"instead of {derived.micro_batch}): {pool.amount(need(micro, t.grad_accum))}"
         )
     b = derived.per_device_batch
-    fewest = (k for k in range(t.grad_accum + 1, b + 1) if b % k == 0 and need(b // k, k) <= pool.available)
+    fewest = (k for k in _divisors(b) if k > t.grad_accum and need(b // k, k) <= pool.available)
     if accum := next(fewest, 0):
         out.append(
             f"{prefix}train.grad_accum={accum} (the same train.batch_size={t.batch_size} in micro-batches of "
             f"{b // accum} sequence(s) per device): {pool.amount(need(b // accum, accum))}"
         )
     return out
+
+
+def _largest(fits, high: int) -> int:
+    """The largest k in 1..high with fits(k), for a `fits` true up to some k and false above it; 0 if none."""
+    low = 0  # fits(low) holds, or low is 0
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
+def _divisors(n: int) -> list[int]:
+    """n's divisors, smallest first (up to sqrt(n) tries, not n)."""
+    small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
+    return small + [n // k for k in reversed(small) if k * k != n]
 
 
 def _gb(nbytes: float) -> str:

@@ -9,7 +9,7 @@ import jax
 import optax
 
 from jdp import muon
-from jdp.config import OptimConfig, ns_coeffs
+from jdp.config import ConfigError, OptimConfig, ns_coeffs
 
 __all__ = ["BUILDERS", "NO_DECAY", "adamw_only", "decay_mask", "make_optimizer", "make_schedule", "whole_matrices"]
 
@@ -78,7 +78,7 @@ def whole_matrices(cfg: OptimConfig, params) -> list[bool]:
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     schedule = make_schedule(cfg, total_steps)
     if cfg.name not in BUILDERS:
-        raise ValueError(f"optim.name={cfg.name!r} must be one of {', '.join(BUILDERS)}")
+        raise ConfigError(f"optim.name={cfg.name!r} must be one of {', '.join(BUILDERS)}")
     opt = BUILDERS[cfg.name](cfg, schedule, total_steps)
     if cfg.grad_clip > 0:
         opt = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), opt)

@@ -14,6 +14,7 @@ import functools
 import json
 import math
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -49,7 +50,14 @@ from jdp.checkpoint import (
 from jdp.config import Config, ConfigError, Derived, save_config, validate
 from jdp.data.corpus import cache_root
 from jdp.data.dataset import Source, source_for
-from jdp.job.coordination import PeerMonitor, announce_departure, describe_hosts, first_departure, publish_host
+from jdp.job.coordination import (
+    PeerMonitor,
+    announce_departure,
+    describe_hosts,
+    first_departure,
+    publish_host,
+    published_by_every_process,
+)
 from jdp.job.join import initialize
 from jdp.job.process import Interrupted, StartupInterrupts, startup_interrupts, watch_launcher
 from jdp.job.world import World, WorldError, resolve_world
@@ -205,6 +213,7 @@ class Trainer:
             p = cfg.parallel
             publish_host(initialize(world, p.init_timeout_s, p.heartbeat_timeout_s, p.coordinator_bind))
         set_rank(jax.process_index())  # process 0 speaks for the job (jdp.log's RankFilter)
+        self.cfg = cfg = same_config(cfg)
         phases, run_dir = Phases(), RunDir(cfg.train.run_dir)
         lock, peers = RunLock(run_dir), PeerMonitor()
         created = run_dir.missing_dirs() if jax.process_index() == 0 else []  # removed again if the run never starts
@@ -455,6 +464,37 @@ def build_steps(model, loss_fn, optimizer, mesh, cfg: Config, schedule=None, com
                           factory, Remat.of(cfg.model))  # fmt: skip
     return Steps(a.graphdef, a.state, a.train_step, a.eval_step, optimizer, mesh, cfg.parallel.strategy, comm_hook,
                  cfg.parallel)  # fmt: skip
+
+
+_STAMPED = re.compile(r"runs/.+-\d{8}-\d{6}")  # a run directory load_config named by the time (no train.run_dir)
+# What each process may set for itself: how it shows progress, where node 0 listens, its own data workers and cache.
+PER_PROCESS = ("train.progress", "parallel.coordinator_bind", "data.num_proc", "data.prefetch", "train.compile_cache")
+
+
+def same_config(cfg: Config) -> Config:
+    """The config every process of the job resolved, compared at start-up: processes started by a wrapper that
+    gives one of them another value would train apart until the first replica check, unnamed. A ConfigError names
+    the keys that differ. train.run_dir named by each process's clock (none given) becomes process 0's."""
+    mine = {f"{section}.{key}": value for section, keys in cfg.to_dict().items() for key, value in keys.items()}
+    texts = published_by_every_process("config", json.dumps(mine, sort_keys=True, default=str))
+    if len(texts) == 1:
+        return cfg
+    first, differ = json.loads(texts[0] or "{}"), []
+    for rank, text in enumerate(texts[1:], 1):
+        theirs = json.loads(text or "{}")
+        for key in sorted(set(first) | set(theirs)):
+            a, b = first.get(key), theirs.get(key)
+            stamped = key == "train.run_dir" and all(_STAMPED.fullmatch(str(x)) for x in (a, b))
+            if a != b and not stamped and key not in PER_PROCESS:
+                differ.append(f"process {rank} has {key}={b}, process 0 {key}={a}")
+    if differ:
+        more = f" (and {len(differ) - 5} more)" if len(differ) > 5 else ""
+        raise ConfigError(f"the processes of this job resolved different configs: {'; '.join(differ[:5])}{more}. "
+                          f"Every process must be given the same config file and overrides (look at the command or "
+                          f"wrapper that starts each)")  # fmt: skip
+    run_dir = first["train.run_dir"]
+    return cfg if run_dir == cfg.train.run_dir else dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, run_dir=run_dir))  # fmt: skip
 
 
 def hold(lock: RunLock, run_dir: RunDir, cfg: Config) -> int | None:

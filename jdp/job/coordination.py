@@ -32,6 +32,7 @@ __all__ = [
     "key_value_store",
     "leave_job",
     "missing_key_value_api",
+    "published_by_every_process",
     "publish_host",
     "step_value",
 ]
@@ -124,6 +125,24 @@ def process_hosts() -> list[str]:
     return [where.get(i, f"process {i}") for i in range(jax.process_count())]
 
 
+SHARED = "jdp/shared/"  # what every process published to compare with the others' (published_by_every_process)
+
+
+def published_by_every_process(name: str, value: str) -> list[str | None]:
+    """Publish this process's `value` under `name` and, after a barrier, return every process's (by process index;
+    None where one is missing): e.g. the resolved config, which processes started by a wrapper may not share.
+    [value] for one process."""
+    kv = key_value_store()
+    if kv is None:
+        return [value]
+    from jax.experimental import multihost_utils
+
+    kv.set(f"{SHARED}{name}/{jax.process_index()}", value, overwrite=True)
+    multihost_utils.sync_global_devices(f"jdp: every process has published its {name}")
+    found = {k.rsplit("/", 1)[-1]: v for k, v in kv.dir_get(f"{SHARED}{name}/").items()}
+    return [found.get(str(i)) for i in range(jax.process_count())]
+
+
 def describe_hosts() -> str:
     """'2 hosts: vm 10.213.7.1 (processes 0-1), vm 10.213.7.2 (processes 2-3)', from what every process published
     (call after a barrier that follows publish_host); '' for one process."""
@@ -169,6 +188,17 @@ def first_departure() -> str | None:
     if notice is None or notice.startswith(f"process {jax.process_index()} "):
         return None
     return "".join(c if c.isprintable() else "?" for c in notice[:500])
+
+
+def leave_now(code: int) -> None:
+    """Exit at once, with what was said flushed, without Python's finalization (a second Ctrl-C: XLA may be in
+    the middle of a computation)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
 
 
 def leave_job(code: int) -> None:
@@ -227,21 +257,63 @@ class StopAgreement:
     def __init__(self, handle_signals: bool = True, every: int = 1, lag: int = 0):
         """handle_signals=False: this process installs no handler (a library caller keeps its own), and stops only
         where another process of the job proposed. every: the steps between the groups' syncs (1: every step); lag:
-        the steps after a sync that its result is first used."""
+        the steps after a sync that its result is first used.
+
+        Each signal is answered at once by a thread it wakes (signal.set_wakeup_fd): Python runs a handler only
+        when the main thread is between bytecodes, which it is not while XLA compiles the first step (10 s), and
+        two signals in that time run it once: the line waited for the compile, and a second Ctrl-C was dropped.
+        SIGINT is taken over from the start-up's StartupInterrupts with no moment without a handler; an interrupt
+        it holds is raised here (Interrupted: exit 130, nothing trained)."""
         self.every, self.lag = every, lag
         self.stop_at: int | None = None
         self.signals = 0
         self._pending: int | None = None
-        wanted = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
-        self._previous = {sig: signal.signal(sig, self._handler) for sig in wanted}
+        self._previous: dict = {}
+        self._pipe: tuple[int, int] | None = None
+        if handle_signals:
+            self._take_signals()
+
+    def _take_signals(self) -> None:
+        from jdp.job.process import startup_interrupts
+
+        self._pipe = os.pipe()
+        os.set_blocking(self._pipe[1], False)
+        self._wakeup = signal.set_wakeup_fd(self._pipe[1], warn_on_full_buffer=False)
+        self._previous = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+        threading.Thread(target=self._watch, daemon=True, name="jdp-stop-watch").start()
+        if (guard := startup_interrupts()) is not None:
+            self._previous[signal.SIGINT], self._wakeup = guard.give_to_loop()
+            try:
+                guard.check()  # Ctrl-C'd before this, and dropped in a __del__
+            except BaseException:
+                self.close()
+                raise
 
     def _handler(self, sig, frame) -> None:
+        """In the main thread, when it next runs Python: the stop is proposed before the next step (the watch
+        thread has said so, and exits at a second signal)."""
         self.signals += 1
-        if self.signals > 1:
-            log.warning(f"second {signal.Signals(sig).name}: exiting now, without saving", extra=PLAIN)
-            announce_departure(f"exited at a second {signal.Signals(sig).name}")
-            os._exit(128 + sig)
-        self._pending = sig
+        if self._pending is None:
+            self._pending = sig
+
+    def _watch(self) -> None:
+        read, got = self._pipe[0], 0
+        try:
+            while data := os.read(read, 64):
+                for sig in (s for s in data if s in self._previous):
+                    got += 1
+                    name = signal.Signals(sig).name
+                    if got > 1:
+                        log.warning(f"second {name}: exiting now, without saving", extra=PLAIN)
+                        announce_departure(f"exited at a second {name}")
+                        leave_now(128 + sig)
+                    log.warning(
+                        f"process {jax.process_index()} got {name}: every process will stop at an agreed step and "
+                        f"save (send it again to exit at once)",
+                        extra=PLAIN,
+                    )
+        finally:
+            os.close(read)
 
     def should_stop(self, done: int) -> bool:
         """Called before each step with the number of steps done: True once the agreed step is reached."""
@@ -250,17 +322,11 @@ class StopAgreement:
             # one process holds every group: they run in step, nothing to wait for
             ahead = done if self.every == 1 or not kv else (done // self.every + 1) * self.every  # the next sync
             proposal = ahead + (self.lag + self.MARGIN if kv else 0)
-            name = signal.Signals(self._pending).name
             if kv:
                 try:
                     kv.set(self.KEY, str(proposal))
                 except Exception:
                     pass  # another process proposed first; its step is the one everybody reads
-            log.warning(
-                f"process {jax.process_index()} got {name}: every process will stop at an agreed step and save "
-                f"(send it again to exit at once)",
-                extra=PLAIN,
-            )
             if not kv:
                 self.stop_at = proposal
         due = self.every <= 2 or done % self.every == (self.lag + 2) % self.every
@@ -277,8 +343,13 @@ class StopAgreement:
         return self.stop_at is not None and done >= self.stop_at
 
     def close(self) -> None:
+        if self._pipe is None:
+            return
+        signal.set_wakeup_fd(self._wakeup)  # before the pipe closes: no signal is written to a closed fd
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        os.close(self._pipe[1])  # the watch thread reads b"" and ends
+        self._pipe = None
 
 
 class Watchdog:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import re
@@ -27,6 +28,8 @@ __all__ = [
     "Launcher",
     "Slots",
     "Worker",
+    "check_command",
+    "check_counts",
     "cpu_flags",
     "cpu_groups",
     "free_port",
@@ -426,7 +429,20 @@ def worker_argv(command: list[str]) -> list[str]:
     return list(command)
 
 
-def launch(args, command: list[str]) -> int:
+def check_counts(args) -> None:
+    """The launcher's numbers in range (argparse gives any int): workers, restarts, simulated devices."""
+    if args.nproc_per_node < 1:
+        raise LaunchError(f"--nproc-per-node {args.nproc_per_node}: start at least 1 worker on this node (its GPUs' "
+                          f"number, or the processes to simulate on a CPU)")  # fmt: skip
+    if args.max_restarts < 0:
+        raise LaunchError(f"--max-restarts {args.max_restarts}: give 0 (no restart, the default) or more")
+    if args.devices_per_proc < 1:
+        raise LaunchError(f"--devices-per-proc {args.devices_per_proc}: each worker needs at least 1 (simulated CPU) "
+                          f"device")  # fmt: skip
+
+
+def check_command(command: list[str]) -> list[str]:
+    """The command after `--`, without the `--`: a jdp command, a Python script, or a program on PATH."""
     if command and command[0] == "--":
         command = command[1:]
     if not command:
@@ -434,11 +450,20 @@ def launch(args, command: list[str]) -> int:
             "nothing to launch: give a jdp command or a script after --, e.g. jdp launch --nproc-per-node 2 -- train, "
             "or -- python my_training.py"
         )
+    first = command[0]
+    if first in JDP_COMMANDS or first in ("python", "python3") or first.endswith(".py") or shutil.which(first):
+        return command
+    close = difflib.get_close_matches(first, JDP_COMMANDS, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    raise LaunchError(f"-- {first}: not a jdp command{hint}, a Python script or a program on PATH (the jdp commands: "
+                      f"{', '.join(JDP_COMMANDS)})")  # fmt: skip
+
+
+def launch(args, command: list[str]) -> int:
+    command = check_command(command)
+    check_counts(args)
     place(args)
     args.min_nodes, args.nnodes = nodes_range(args.nnodes)
-    if args.nproc_per_node < 1:
-        raise LaunchError(f"--nproc-per-node {args.nproc_per_node}: start at least 1 worker on this node (its GPUs' "
-                          f"number, or the processes to simulate on a CPU)")  # fmt: skip
     if args.min_nodes < 1:
         raise LaunchError(f"--nnodes {args.min_nodes}: a job needs at least 1 node")
     if not 0 <= args.node_rank < args.nnodes:

@@ -19,6 +19,8 @@ from jdp.job.launch import (
     LaunchError,
     Slots,
     Worker,
+    check_command,
+    check_counts,
     free_port,
     nodes_range,
     place,
@@ -157,14 +159,12 @@ class Members:
 
 def launch_live(args, command: list[str]) -> int:
     """`jdp launch --live -- train CONFIG ...`: checked before anything starts."""
-    if command and command[0] == "--":
-        command = command[1:]
-    if not command or command[0] != "train":
+    command = check_command(command)
+    if command[0] != "train":
         raise LaunchError("--live starts `jdp train` members: give -- train CONFIG [key=value ...]")
+    check_counts(args)
     place(args)
     args.min_nodes, args.nnodes = nodes_range(args.nnodes)
-    if args.nproc_per_node < 1:
-        raise LaunchError(f"--nproc-per-node {args.nproc_per_node}: start at least 1 member on this node")
     if not 0 <= args.node_rank < args.nnodes:
         raise LaunchError(f"--node-rank {args.node_rank} must be in [0, --nnodes {args.nnodes})")
     if args.nnodes > 1 and not (args.coordinator or args.lighthouse):

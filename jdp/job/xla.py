@@ -11,7 +11,7 @@ from jdp.log import logger
 
 __all__ = [
     "CACHE_OFF_ACROSS_PROCESSES", "SCRATCH_LATE", "collective_flags", "keep_scratch_memory", "no_cache_across_processes",
-    "set_xla_flags", "use_compilation_cache",
+    "platform_problem", "set_xla_flags", "use_compilation_cache",
 ]
 
 log = logger("jdp.xla")
@@ -140,3 +140,22 @@ def keep_scratch_memory(environ: dict | None = None) -> bool:
     M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # <malloc.h>
     _kept = bool(mallopt(M_ARENA_MAX, 1) & mallopt(M_MMAP_MAX, 0) & mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
     return _kept
+
+
+def platform_problem(error: BaseException, environ=os.environ) -> str | None:
+    """What to say when JAX could not start the platform JAX_PLATFORMS names (`cuda` on a CPU-only jaxlib fails
+    with a bare AssertionError in JAX 0.10, "Unable to initialize backend" in later ones); None for other errors."""
+    platforms = environ.get("JAX_PLATFORMS", "").strip()
+    text = str(error)
+    if not platforms or not (isinstance(error, AssertionError) or "Unable to initialize backend" in text):
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        jaxlib = f"jaxlib {version('jaxlib')}"
+    except PackageNotFoundError:
+        jaxlib = "this jaxlib"
+    why = f": {text.split(' (set JAX_PLATFORMS')[0]}" if text else ""
+    return (f"JAX_PLATFORMS={platforms}: JAX could not start that platform with {jaxlib}{why}; for NVIDIA GPUs "
+            f"install the CUDA build (pip install -e \".[cuda12]\"), or unset JAX_PLATFORMS to use the devices this "
+            f"machine has")  # fmt: skip

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from jdp.errors import ConfigError
 from jdp.job import xla
 
 __all__ = ["REGISTRY", "Strategy", "get", "names"]
@@ -174,5 +175,5 @@ def names() -> tuple[str, ...]:
 
 def get(name: str) -> Strategy:
     if name not in REGISTRY:
-        raise ValueError(f"strategy={name!r} must be one of {', '.join(REGISTRY)}")
+        raise ConfigError(f"strategy={name!r} must be one of {', '.join(REGISTRY)}")
     return REGISTRY[name]
