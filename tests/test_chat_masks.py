@@ -254,3 +254,65 @@ def test_a_transformers_5_tokenizer_directory_is_enough_and_named_templates_are_
     with pytest.raises(ConfigError, match=r"no chat template named 'rag'"):
         ChatTemplate.load(DataConfig(tokenizer=str(saved), chat_template_name="rag"))
     assert re.search(r"chat_template", " ".join(written)), written
+
+
+# A Qwen3-like template (shortened: its thinking switch, ChatML turns), marked: enable_thinking=false writes an empty
+# think block after each assistant header, as Qwen3's generation prompt does.
+QWEN3_LIKE = (
+    "{%- for message in messages %}{%- if message.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    + G + "{{- message.content + '<|im_end|>' }}" + EG + "{{- '\\n' }}{%- else %}{{- '<|im_start|>' + message.role + "
+    "'\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+
+
+def test_chat_template_kwargs_reach_the_template_as_transformers_passes_them(tmp_path):
+    """Issue 65, item 5: a template variable (Qwen3's enable_thinking) could not be passed. data.chat_template_kwargs
+    is given to the template as apply_chat_template(**kwargs) gives it: the same tokens and assistant masks, with
+    the variable and without it, from the marked template and from the plain one (jdp's rule)."""
+    plain = QWEN3_LIKE.replace(G, "").replace(EG, "")
+    convs = conversations(with_system=True)[:8]
+    texts = [ChatTemplate(plain, "q", kwargs=kw).render(c) for c in convs for kw in ({}, {"enable_thinking": False})]
+    d = tokenizer_dir(tmp_path, texts + ["<think>\n\n</think>\n\n"] * 20, "<s>", "</s>")
+    theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), bos_token="<s>", eos_token="</s>")
+    ours = HFTokenizer(str(d))
+    for kwargs in ({}, {"enable_thinking": False}):
+        rendered = []
+        for kind, source in (("marked", QWEN3_LIKE), ("plain", plain)):
+            cfg = DataConfig(tokenizer=str(d), chat_template=str(_write(tmp_path / f"{kind}.jinja", source)),
+                             chat_template_kwargs=kwargs)  # fmt: skip
+            template = ChatTemplate.load(cfg)
+            for conv in convs:
+                ref = theirs.apply_chat_template(conv, chat_template=QWEN3_LIKE, tokenize=True, return_dict=True,
+                                                 return_assistant_tokens_mask=True, **kwargs)  # fmt: skip
+                ids, weights = chat_example(conv, template, ours, "test")
+                assert ids.tolist() == list(ref["input_ids"]), (kind, kwargs)
+                assert weights.tolist() == list(ref["assistant_masks"]), (kind, kwargs)
+            rendered.append(template.render(convs[0]))
+        assert ("<think>" in rendered[0]) == (kwargs == {"enable_thinking": False}) and rendered[0] == rendered[1]
+
+
+def test_tojson_takes_transformers_arguments_and_content_parts_reach_a_template_that_reads_them(tmp_path):
+    """Issue 65, items 5 and 3: `tojson(sort_keys=..., separators=...)` was refused (transformers' filter takes
+    ensure_ascii, indent, separators, sort_keys); content parts are passed to a template that renders a text part
+    as it renders a string, as transformers passes them: the same text as transformers'."""
+    from tokenizers import Tokenizer, models
+
+    from jdp.data.chat import conversation
+
+    dumps = "{{ messages | tojson(sort_keys=True, separators=(',', ':')) }}|{{ tools | tojson(indent=2) }}"
+    conv = [{"role": "user", "content": "hé", "name": "b"}]
+    theirs = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()))  # renders only
+    want = theirs.apply_chat_template(conv, tools=TOOLS, chat_template=dumps, tokenize=False)
+    assert ChatTemplate(dumps, "t").render(conv, tools=TOOLS) == want and '"content":"hé"' in want
+    reads_parts = ("{%- for m in messages %}<|im_start|>{{ m.role }}\n{%- if m.content is string %}{{ m.content }}"
+                   "{%- else %}{%- for p in m.content %}{%- if p.type == 'text' %}{{ p.text }}{%- endif %}{%- endfor %}"
+                   "{%- endif %}<|im_end|>\n{%- endfor %}")  # fmt: skip
+    template = ChatTemplate(reads_parts, "parts")
+    parted = [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+              {"role": "assistant", "content": [{"type": "text", "text": "Hello"}]}]  # fmt: skip
+    assert template.takes_parts()
+    ours = template.render(conversation(parted, "t", template.takes_parts))
+    assert ours == theirs.apply_chat_template(parted, chat_template=reads_parts, tokenize=False) and "Hi there" in ours

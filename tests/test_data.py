@@ -656,14 +656,40 @@ def test_load_data_errors(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_data(big, vocab_size=320, batch_size=2, seed=0)
     assert "no training documents" in str(e.value) and "data.val_tokens" in str(e.value)
-    total = int(str(e.value).split("it holds ")[1].split(" tokens")[0].replace(",", ""))
-    assert total > 0 and f"data.val_tokens={total // 10} (a tenth of it)" in str(e.value)  # what fits, counted
+    suggested = int(str(e.value).split("e.g. data.val_tokens=")[1].split(",")[0])
+    load_data(dataclasses.replace(big, val_tokens=suggested), vocab_size=320, batch_size=2, seed=0)  # it fits
 
     # val_tokens=1 holds out one document, shorter than seq_len + 1 tokens: no validation window.
     tiny_val = _cfg(tmp_path, src, seq_len=200, val_tokens=1)
     with pytest.raises(ConfigError) as e:
         load_data(tiny_val, vocab_size=320, batch_size=2, seed=0)
     assert "data.val_tokens=1" in str(e.value) and "data.seq_len" in str(e.value)
+
+
+def test_a_hold_out_of_every_document_names_a_fix_that_works(tmp_path):
+    """Issue 65, item 4: a one-document .txt with data.val_tokens=1024 was told to lower it, to a tenth of the file
+    (1608), and then told the same again: no value splits one document. It names data.text_unit instead, and with
+    two documents the value it suggests is one that leaves a training document."""
+    one = tmp_path / "one.txt"
+    one.write_text("".join(f"line {i} of the only document\n" for i in range(200)))
+    with pytest.raises(ConfigError) as e:
+        load_data(_cfg(tmp_path, one, seq_len=16, val_tokens=1024), vocab_size=320, batch_size=2, seed=0)
+    msg = str(e.value)
+    assert "in 1 document" in msg and "data.text_unit=line or data.text_unit=paragraph" in msg, msg
+    assert "Lower" not in msg and "data.val_tokens=0" in msg
+    lines = load_data(_cfg(tmp_path, one, seq_len=16, val_tokens=1024, text_unit="line"), 320, 2, seed=0)
+    assert len(lines.tokens.val) >= 1024 and lines.tokens.n_docs == 200  # the fix it names works
+    jsonl = _write_jsonl(tmp_path / "one.jsonl", ["just one record"])
+    with pytest.raises(ConfigError) as e:  # not .txt: no text_unit to change
+        load_data(_cfg(tmp_path, jsonl, seq_len=4, val_tokens=8), 320, 1, seed=0)
+    assert "in 1 document" in str(e.value) and "text_unit" not in str(e.value)
+    two = _write_jsonl(tmp_path / "two.jsonl", ["a short one", "a much longer document " * 40])
+    with pytest.raises(ConfigError) as e:
+        load_data(_cfg(tmp_path, two, seq_len=4, val_tokens=10**6), 320, 1, seed=0)
+    most = int(str(e.value).split("at most ")[1].split(",")[0])
+    load_data(_cfg(tmp_path, two, seq_len=4, val_tokens=most), 320, 1, seed=0)  # the largest value that works
+    with pytest.raises(ConfigError, match="no training documents"):
+        load_data(_cfg(tmp_path, two, seq_len=4, val_tokens=most + 1), 320, 1, seed=0)
 
 
 # ---------------------------------------------------------------------------------------------- HF tokenizers

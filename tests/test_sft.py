@@ -13,6 +13,7 @@ import pytest
 
 from jdp.config import ConfigError, DataConfig, load_config, validate
 from jdp.data import load_data
+from jdp.data.chat import conversation
 from jdp.data.sft import ChatTemplate, chat_example, pack, prompt_example
 from jdp.data.tokens import ByteTokenizer, HFTokenizer
 from jdp.lm import train
@@ -418,3 +419,129 @@ def test_streamed_fine_tuning_runs_and_mixtures_stopped_and_resumed_end_as_unint
         records = [json.loads(line) for line in (tmp_path / f"{name}-whole" / "metrics.jsonl").read_text().splitlines()]
         keys = {k for r in records for k in r}
         assert ({"eval_loss/p", "eval_loss/q"} if name == "mixed" else {"eval_loss"}) <= keys, keys
+
+
+# Issue 65: what users still hit with fine-tuning data. Each test makes the mistake and checks the answer.
+
+
+def chat_rows(tmp_path: Path, name: str, rows: list) -> DataConfig:
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text("".join(json.dumps({"messages": r}) + "\n" for r in rows))
+    return DataConfig(source=str(path), format="chat", chat_template=str(template_file(tmp_path)), seq_len=256,
+                      val_tokens=0, cache_dir=str(tmp_path / name))  # fmt: skip
+
+
+def test_a_mistyped_role_is_named_with_the_role_it_meant_and_the_roles_seen(tmp_path):
+    """Item 1: `asistant` or `User` was reported as "no assistant turn", naming neither the roles seen nor the
+    expected ones."""
+    for wrong, meant in (("asistant", "assistant"), ("User", "user")):
+        rows = [CHAT] * 4 + [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]]
+        rows[2] = [{**m, "role": wrong} if m["role"] == meant else m for m in CHAT]
+        with pytest.raises(ConfigError) as e:
+            load_data(chat_rows(tmp_path, wrong, rows), 320, batch_size=2, seed=0)
+        first = [i for i, m in enumerate(CHAT) if m["role"] == meant][0]
+        assert f"example 2: message {first}'s role is {wrong!r}: did you mean {meant!r}?" in str(e.value)
+        assert "'system', 'user', 'assistant', 'tool'" in str(e.value)
+    sharegpt = [[{"role": "human", "content": "hi"}, {"role": "gpt", "content": "yo"}]] * 6
+    with pytest.raises(ConfigError) as e:
+        load_data(chat_rows(tmp_path, "sharegpt", sharegpt), 320, batch_size=2, seed=0)
+    assert "no conversation has an assistant turn (role 'assistant')" in str(e.value)
+    assert "the roles seen are 'human' (6), 'gpt' (6)" in str(e.value)
+    assert "rename 'human' to 'user', 'gpt' to 'assistant'" in str(e.value)
+
+
+def test_an_assistant_turn_without_an_answer_is_refused_naming_the_example_and_the_turn(tmp_path):
+    """Item 2: a null or empty assistant content trained the end-of-turn token alone, silently (a null completion is
+    refused); a turn that calls tools has its answer in tool_calls."""
+    for content, has in ((None, "no content (null or missing)"), ("", "content ''"), ("  ", "content '  '")):
+        rows = [CHAT] * 5
+        rows[3] = [*CHAT[:4], {"role": "assistant", "content": content}]
+        with pytest.raises(ConfigError) as e:
+            load_data(chat_rows(tmp_path, f"empty{len(content or 'x')}", rows), 320, batch_size=2, seed=0)
+        assert re.search(rf"empty\d.jsonl, example 3: message 4 \(role 'assistant'\) has {re.escape(has)} and no "
+                         r"tool_calls: it would train only the end-of-turn token; give the turn its answer", str(e.value))  # fmt: skip
+    calls = [{"role": "user", "content": "Weather?"},
+             {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "w"}}]}]  # fmt: skip
+    template = ChatTemplate.load(DataConfig(chat_template=str(template_file(tmp_path))))
+    chat_example(calls, template, ByteTokenizer(), "test")  # not refused
+
+
+def test_content_parts_are_read_as_their_text_and_other_parts_are_refused_by_type(tmp_path):
+    """Item 3: OpenAI-style content parts were printed as a Python list (the only sign: "54 of 54 truncated"). A
+    template that renders only strings (this Llama-3 layout) is given the parts' texts joined (one part: exactly the
+    string's tokens and weights); an image part is refused by name."""
+    template = ChatTemplate.load(DataConfig(chat_template=str(template_file(tmp_path))))
+    assert not template.takes_parts()
+    parted = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in CHAT]
+    for got, want in zip(chat_example(parted, template, ByteTokenizer(), "t"), chat_example(CHAT, template,
+                         ByteTokenizer(), "t"), strict=True):  # fmt: skip
+        assert got.tolist() == want.tolist()
+    two = [CHAT[1], {"role": "assistant", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]
+    assert "Hello\nthere<|eot_id|>" in template.render(conversation(two, "t", template.takes_parts))  # joined
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}},
+                                          {"type": "text", "text": "What is it?"}]}, CHAT[2]]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"parts.jsonl, example 1: message 0's content part 0 is of type "
+                                          r"'image_url': jdp trains language models on text"):  # fmt: skip
+        load_data(chat_rows(tmp_path, "parts", [parted, image, parted]), 320, batch_size=2, seed=0)
+
+
+def test_fixes_for_dropped_examples_name_seq_len_or_truncate_not_val_tokens(tmp_path):
+    """Item 4: every validation example dropped by data.overlong=drop said "raise data.val_tokens" (it cannot help);
+    every training example dropped named no fix."""
+    long = [{"role": "user", "content": "x" * 600}, {"role": "assistant", "content": "y"}]  # 680 tokens
+    (tmp_path / "split").mkdir()
+    for name, rows in (("train", [CHAT] * 6), ("validation", [long] * 3)):
+        (tmp_path / "split" / f"{name}.jsonl").write_text("".join(json.dumps({"messages": r}) + "\n" for r in rows))
+    cfg = dataclasses.replace(chat_rows(tmp_path, "long", [long] * 3), seq_len=512, overlong="drop")  # CHAT: 324 tokens
+    with pytest.raises(ConfigError) as e:
+        load_data(dataclasses.replace(cfg, source=str(tmp_path / "split"), val_tokens=700), 320, 2, seed=0)
+    assert "no validation window (0 examples" in str(e.value) and "raise data.val_tokens" not in str(e.value)
+    assert "every validation example is longer than a window (data.seq_len+1=513 tokens) and data.overlong=drop " \
+           "dropped it; raise data.seq_len (and model.max_seq_len), or set data.overlong=truncate" in str(e.value)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"no training window \(0 examples.*3 dropped.*\): every training example "
+                                          r"is longer than a window .* set data.overlong=truncate"):  # fmt: skip
+        load_data(cfg, 320, batch_size=2, seed=0)
+    load_data(dataclasses.replace(cfg, source=str(tmp_path / "split"), val_tokens=700, overlong="truncate"), 320, 2, 0)
+
+
+def test_a_stream_with_nothing_left_to_train_says_why_instead_of_asking_for_shards(tmp_path):
+    """Item 4: a streamed chat set whose rows all repeat the held-out ones asked for more shards; a stream whose
+    every example data.overlong=drop drops read on forever."""
+    from jdp.data.corpus import open_corpus
+    from jdp.data.sft import stream_examples
+
+    (tmp_path / "shards").mkdir()
+    short = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}] for i in range(3)]
+    (tmp_path / "shards" / "part-0.jsonl").write_text("".join(json.dumps({"messages": short[i % 3]}) + "\n"
+                                                              for i in range(30)))  # fmt: skip
+    cfg = stream_cfg(tmp_path, val_tokens=10**6)
+    stream = stream_examples(open_corpus(cfg, streaming=True), ByteTokenizer(), cfg, rows=2, rank=0, world=1)
+    with pytest.raises(ConfigError) as e:
+        stream.next_batch()
+    msg = str(e.value)
+    assert "process 0 of 1 got no training documents from the stream: of the 30 rows of its shards in epoch 0, 30 " \
+           "repeat an example validation holds out of the stream's head" in msg and "as processes" not in msg  # fmt: skip
+    assert "lower data.val_tokens" in msg and "data.val_tokens=0" in msg
+    cfg = stream_cfg(tmp_path, seq_len=8, overlong="drop")
+    stream = stream_examples(open_corpus(cfg, streaming=True), ByteTokenizer(), cfg, rows=2, rank=0, world=1)
+    with pytest.raises(ConfigError, match=r"in epoch 0, 30 are longer than a window \(data.seq_len\+1=9\) and "
+                                          r"data.overlong=drop dropped them; raise data.seq_len"):  # fmt: skip
+        stream.next_batch()  # no hang
+
+
+def test_template_options_are_checked_and_chat_template_kwargs_parse(tmp_path):
+    """Item 4: data.chat_template_name given a .jinja path told the user to set a .jinja; item 5: the template
+    variables a template reads (enable_thinking) are data.chat_template_kwargs, a mapping."""
+    jinja = tmp_path / "mine.jinja"
+    jinja.write_text(LLAMA3)
+    with pytest.raises(ConfigError, match=rf"data.chat_template_name={jinja} is a file name: .* give a template file "
+                                          rf"as data.chat_template={jinja}"):  # fmt: skip
+        ChatTemplate.load(DataConfig(tokenizer=str(TINY_TOKENIZER), chat_template_name=str(jinja)))
+    cfg = load_config(None, ["data.chat_template_kwargs={enable_thinking: false, bos_token: '<B>'}"])
+    assert cfg.data.chat_template_kwargs == {"enable_thinking": False, "bos_token": "<B>"}
+    template = ChatTemplate.load(dataclasses.replace(cfg.data, chat_template=str(template_file(tmp_path))))
+    assert template.render(CHAT).startswith("<B><|start_header_id|>")  # over the special token, as transformers
+    with pytest.raises(ConfigError, match="chat_template_kwargs.*expected a mapping"):
+        load_config(None, ["data.chat_template_kwargs=[enable_thinking]"])
+    with pytest.raises(ConfigError, match="data.chat_template_kwargs sets add_generation_prompt: jdp gives"):
+        ChatTemplate.load(DataConfig(chat_template=str(jinja), chat_template_kwargs={"add_generation_prompt": True}))

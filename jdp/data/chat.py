@@ -5,7 +5,8 @@ tokenizer_config.json or a tokenizer directory), else data.tokenizer's directory
 one: chat_template.jinja, then chat_template.json, then tokenizer_config.json's `chat_template` (a string, or a list
 of named templates whose "default" is taken); data.chat_template_name picks a named one (also
 additional_chat_templates/NAME.jinja). The tokenizer's special tokens (bos_token, eos_token, ...) are given to every
-template, wherever it was read from.
+template, wherever it was read from, and data.chat_template_kwargs after them (as transformers' apply_chat_template
+passes its **kwargs: they override a special token of the same name).
 
 The answer (answer_spans): a template with `{% generation %}` markers says it, as transformers' assistant mask
 reads them. Without markers, each assistant turn is the text rendering messages[:i+1] adds beyond the prompt that
@@ -15,21 +16,34 @@ the end-of-turn token is trained, the newline ChatML, Gemma and Phi-3 write afte
 turn). A token is an answer
 token when any character of it is (chat_weights): a token that straddles the prompt's end (" Hello" after
 "ASSISTANT:") carries answer text and is trained, as transformers' char_to_token rule trains it.
+
+The messages (conversation): a template is given each message without its null keys (datasets gives every message
+every key any message has; transformers drops them too). Content given as OpenAI-style parts (`[{type: text, text:
+...}, ...]`) is passed through as transformers passes it to a template that renders a text part as it renders the
+same text given as a string (ChatTemplate.takes_parts); any other template would print the list as Python writes
+it, so it is given the parts' texts joined by newlines (as vLLM joins them for such templates). A part that is not
+text (an image, audio) is refused: jdp trains on text. A role that is a near miss of a known one (`asistant`,
+`User`) is refused with the role it meant; an assistant turn with nothing to answer (null or blank content, no tool
+calls) is refused, since it would train the end-of-turn token alone.
 """
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import re
 import time
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from jdp.config import ConfigError, DataConfig
 
-__all__ = ["SPECIAL_TOKENS", "ChatTemplate", "answer_spans", "chat_example", "chat_weights", "encode_with_offsets"]
+__all__ = ["ROLES", "SPECIAL_TOKENS", "ChatTemplate", "answer_spans", "chat_example", "chat_weights", "conversation",
+           "encode_with_offsets", "role_counts", "roles_note"]  # fmt: skip
 
 # What transformers hands every template besides the conversation (its special_tokens_map)
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
@@ -73,7 +87,7 @@ class ChatTemplate:
     """A Jinja chat template, rendered as transformers renders it (a sandboxed environment with trim_blocks and
     lstrip_blocks, `raise_exception`, `tojson`, `strftime_now`, the `generation` tag; the special tokens set)."""
 
-    def __init__(self, source: str, where: str, special: dict | None = None):
+    def __init__(self, source: str, where: str, special: dict | None = None, kwargs: dict | None = None):
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -83,8 +97,7 @@ class ChatTemplate:
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _generation_extension()]
         )
-        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent,
-                                                                                      ensure_ascii=ensure_ascii)  # fmt: skip
+        env.filters["tojson"] = _tojson
         env.globals.update(raise_exception=raise_exception, strftime_now=time.strftime)
         try:
             self.template = env.from_string(source)
@@ -92,8 +105,23 @@ class ChatTemplate:
             raise ConfigError(f"the chat template ({where}) is not valid Jinja: line {e.lineno}: {e.message}") from None
         self._generation = next(e for e in env.extensions.values() if getattr(e, "tags", None) == {"generation"})
         self.source, self.where, self.special = source, where, dict(special or {})
+        self.variables = {**self.special, **(kwargs or {})}  # what it is given besides the conversation
         self.marked = bool(_MARKED.search(source))  # its answers are marked with {% generation %}
-        self.digest = hashlib.sha256(json.dumps([source, self.special]).encode()).hexdigest()[:16]
+        self._takes_parts: bool | None = None
+        key = [source, self.special] + ([kwargs] if kwargs else [])
+        self.digest = hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:16]
+
+    def takes_parts(self) -> bool:
+        """Whether it renders content given as text parts ([{type: text, text}]) as it renders the same string."""
+        if self._takes_parts is None:
+            probe = [("user", "Say hi"), ("assistant", "Hi")]
+            try:
+                as_str = self.render([{"role": r, "content": c} for r, c in probe])
+                as_parts = self.render([{"role": r, "content": [{"type": "text", "text": c}]} for r, c in probe])
+                self._takes_parts = as_str == as_parts
+            except ConfigError:
+                self._takes_parts = False
+        return self._takes_parts
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False, at: str = "a conversation",
                tools=None) -> str:  # fmt: skip
@@ -110,7 +138,7 @@ class ChatTemplate:
         try:
             blocks = g.blocks if track else []
             for block in self.template.generate(messages=messages, tools=tools,
-                                                add_generation_prompt=add_generation_prompt, **self.special):  # fmt: skip
+                                                add_generation_prompt=add_generation_prompt, **self.variables):  # fmt: skip
                 blocks.append(block)
             return "".join(blocks), list(g.spans or [])
         except _TemplateRefused as e:
@@ -128,7 +156,13 @@ class ChatTemplate:
     @classmethod
     def load(cls, cfg: DataConfig) -> ChatTemplate:
         """data.chat_template, else data.tokenizer's directory (see the module's docstring for the order)."""
-        special = special_tokens(cfg)
+        special, kwargs = special_tokens(cfg), template_kwargs(cfg)
+        if looks_like_file(cfg.chat_template_name):
+            raise ConfigError(
+                f"data.chat_template_name={cfg.chat_template_name} is a file name: data.chat_template_name picks one "
+                f"of a tokenizer's named templates (tool_use, rag, ...); give a template file as "
+                f"data.chat_template={cfg.chat_template_name} (and leave data.chat_template_name unset)"
+            )
         if cfg.chat_template:
             path = Path(cfg.chat_template).expanduser()
             if not path.exists():
@@ -144,7 +178,37 @@ class ChatTemplate:
         else:
             path = tokenizer_dir(cfg)
         source, where, own = _read_template(path, cfg.chat_template_name)
-        return cls(source, where, {**special, **own})
+        return cls(source, where, {**special, **own}, kwargs)
+
+
+# What jdp gives a template itself, and what apply_chat_template takes as its own arguments: not template variables
+RESERVED = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template",
+            "tokenize", "return_dict", "return_assistant_tokens_mask")  # fmt: skip
+
+
+def template_kwargs(cfg: DataConfig) -> dict:
+    """data.chat_template_kwargs: extra template variables (enable_thinking, ...), checked."""
+    kwargs = getattr(cfg, "chat_template_kwargs", None) or {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+        raise ConfigError(
+            f"data.chat_template_kwargs={kwargs!r:.80}: expected a mapping of template variable names to values, "
+            f"e.g. data.chat_template_kwargs='{{enable_thinking: false}}'"
+        )
+    if taken := [k for k in kwargs if k in RESERVED]:
+        raise ConfigError(
+            f"data.chat_template_kwargs sets {', '.join(taken)}: jdp gives the template messages, tools (the data's "
+            f"tools column) and add_generation_prompt itself; leave {', '.join(taken)} out"
+        )
+    return dict(kwargs)
+
+
+def looks_like_file(name: str) -> bool:
+    return bool(name) and (name.endswith((".jinja", ".json", ".j2")) or "/" in name or "\\" in name)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    """transformers' tojson filter (its arguments, and no HTML escaping, unlike Jinja's own)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def tokenizer_dir(cfg: DataConfig) -> Path:
@@ -226,17 +290,105 @@ def _names(paths) -> str:
     return ", ".join(names)
 
 
-def _plain(message) -> dict:
-    """A message as its author wrote it: datasets gives every message every key of any (None where absent)."""
-    return {k: v for k, v in message.items() if v is not None} if isinstance(message, dict) else message
+# The messages a template is given (the module's docstring says what is checked)
+
+ROLES = ("system", "user", "assistant", "tool", "developer", "function", "ipython")  # what templates test for
+ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant", "ai": "assistant"}
+ANSWERED_BY = ("tool_calls", "reasoning_content", "thinking", "reasoning")  # an answer besides its content
+
+
+def near_role(role: str) -> str | None:
+    """The known role a mistyped one meant (`asistant`, `User`, `users`), or None."""
+    low = role.strip().lower()
+    if low in ROLES:
+        return low
+    close = difflib.get_close_matches(low, ROLES, n=1, cutoff=0.8)
+    return close[0] if close else None
+
+
+def _plain(value):
+    """A message (or content part) as its author wrote it: without the keys datasets filled with None."""
+    return {k: v for k, v in value.items() if v is not None} if isinstance(value, dict) else value
+
+
+def _parts(parts: list, at: str, as_text: Callable[[], bool]):
+    """Text parts as the template takes them (the list, or their texts joined); anything else refused."""
+    parts = [_plain(p) for p in parts]
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            what = f"of type {kind!r}" if kind else f"{part!r:.60} (no 'type')"
+            raise ConfigError(
+                f"{at}'s content part {j} is {what}: jdp trains language models on text, so only {{type: text, "
+                f"text: ...}} parts are read; drop that part (or the example), or give its text as a text part"
+            )
+        if not isinstance(part.get("text"), str):
+            raise ConfigError(f"{at}'s content part {j} (type 'text') has text {part.get('text')!r:.60}, not a string")
+    return parts if as_text() else "\n".join(p["text"] for p in parts)
+
+
+def _text_of(content) -> str:
+    if isinstance(content, list):
+        return "".join(p["text"] for p in content)
+    return content if isinstance(content, str) else ""
+
+
+def _check_answer(message: dict, at: str) -> None:
+    """An assistant turn must answer something: non-blank content, or tool calls (or reasoning)."""
+    if _text_of(message.get("content")).strip() or any(message.get(k) for k in ANSWERED_BY):
+        return
+    if message.get("content") is not None and not isinstance(message.get("content"), (str, list)):
+        return  # not text: the template says what it makes of it
+    has = "no content (null or missing)" if "content" not in message else f"content {message['content']!r:.20}"
+    raise ConfigError(
+        f"{at} (role 'assistant') has {has} and no tool_calls: it would train only the end-of-turn token; give the "
+        f"turn its answer, or drop the turn (a conversation may end with a user's turn) or the example"
+    )
+
+
+def conversation(messages: list, where: str, takes_parts: Callable[[], bool]) -> list[dict]:
+    """The messages a template is given (the module's docstring says what is checked); `where` names the example
+    in errors, `takes_parts()` says whether the template renders content parts itself (asked only if some are)."""
+    out = []
+    for i, message in enumerate(messages):
+        message = _plain(message)
+        at = f"{where}: message {i}"
+        if not isinstance(message, dict) or "role" not in message:
+            raise ConfigError(f"{at} is {message!r:.80}, not a {{role, content}} mapping")
+        role = message["role"]
+        if not isinstance(role, str):
+            raise ConfigError(f"{at}'s role is {role!r:.40}, not text (the roles: {', '.join(ROLES)})")
+        if role not in ROLES and (meant := near_role(role)):
+            raise ConfigError(
+                f"{at}'s role is {role!r}: did you mean {meant!r}? (roles are compared exactly: the templates' "
+                f"roles are {', '.join(map(repr, ROLES))}, and the answers are the turns of role 'assistant')"
+            )
+        if isinstance(message.get("content"), list):
+            message = {**message, "content": _parts(message["content"], at, takes_parts)}
+        if role == "assistant":
+            _check_answer(message, at)
+        out.append(message)
+    return out
+
+
+def role_counts(messages) -> Counter:
+    """How many messages of each role a conversation has (a message without a role counts as None)."""
+    if not isinstance(messages, list):
+        return Counter()
+    return Counter(m.get("role") if isinstance(m, dict) else None for m in messages)
+
+
+def roles_note(seen: Counter) -> str:
+    """The roles seen, the one answers have, and what to rename (ShareGPT's human/gpt, ...)."""
+    listed = ", ".join(f"{r!r} ({n:,})" for r, n in seen.most_common(8)) or "none"
+    rename = {r: ALIASES[r.lower()] for r in seen if isinstance(r, str) and r.lower() in ALIASES}
+    hint = "; rename " + ", ".join(f"{r!r} to {to!r}" for r, to in rename.items()) if rename else ""
+    return f"the roles seen are {listed}; the answers are the turns of role 'assistant'{hint}"
 
 
 def answer_spans(messages: list[dict], template: ChatTemplate, where: str, tools=None) -> tuple[str, list]:
     """The rendered conversation and the character spans of its answers (the module's docstring says which)."""
-    messages = [_plain(m) for m in messages]
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or "role" not in message:
-            raise ConfigError(f"{where}: message {i} is {message!r:.80}, not a {{role, content}} mapping")
+    messages = conversation(messages, where, template.takes_parts)
     if template.marked:
         return template.render_marked(messages, at=where, tools=tools)
     text, spans = template.render(messages, at=where, tools=tools), []
@@ -277,7 +429,6 @@ def _continued(template: ChatTemplate, messages: list[dict], where: str, tools) 
         return template.render([*messages, _PROBE], at=where, tools=tools)
     except ConfigError:
         return None
-
 
 
 def encode_with_offsets(tokenizer, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

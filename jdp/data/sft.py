@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from filelock import FileLock
 
 from jdp.config import ConfigError, DataConfig
 from jdp.data import formats
-from jdp.data.chat import ChatTemplate, chat_example
+from jdp.data.chat import ChatTemplate, chat_example, role_counts, roles_note
 from jdp.data.corpus import cache_root
 from jdp.data.dataset import GlobalOrder, Windows, digest
 from jdp.data.stream import Shards, decoded
@@ -39,7 +40,7 @@ __all__ = ["ChatTemplate", "ExampleBatches", "Examples", "chat_example", "load_e
 
 log = logger("jdp.sft")
 
-FORMAT_VERSION = 2  # 2: answers as transformers marks them (chat.py)
+FORMAT_VERSION = 3  # 2: answers as transformers marks them (chat.py); 3: content parts read as text
 
 
 def prompt_example(prompt: str, completion: str, tokenizer) -> tuple[np.ndarray, np.ndarray]:
@@ -140,21 +141,23 @@ def _unanswered(cfg: DataConfig) -> tuple[str, str, str]:
 
 
 def _examples(ds, tokenizer, cfg: DataConfig, template: ChatTemplate | None, where: str) -> list:
-    out, empty = [], []
+    out, empty, roles = [], [], Counter()
     for i, row in enumerate(ds):
         ids, w, answered = row_example(row, tokenizer, cfg, template, f"data.source={cfg.source}{where}, example {i}")
         out.append((ids, w))
         if not answered:
             empty.append(i)
+            roles += role_counts(row["messages"]) if cfg.format == "chat" else Counter()
+    seen = f" ({roles_note(roles)})" if roles else ""
     if empty and len(empty) == len(out):
         chat = cfg.format == "chat"
         what = "no conversation has an assistant turn (role 'assistant')" if chat else "every completion is empty"
-        raise ConfigError(f"data.source={cfg.source}{where}: {what}, so there is no answer to learn")
+        raise ConfigError(f"data.source={cfg.source}{where}: {what}, so there is no answer to learn{seen}")
     if empty:
         what, _, trains = _unanswered(cfg)
         log.warning(f"data.source={cfg.source}{where}: {len(empty)} of {len(out)} {what} (examples "
                     f"{', '.join(map(str, empty[:5]))}{', ...' if len(empty) > 5 else ''}): each trains "
-                    f"{trains}")  # fmt: skip
+                    f"{trains}{seen}")  # fmt: skip
     return out
 
 
@@ -300,7 +303,8 @@ def examples_source(corpus, tokenizer, sub: DataConfig, seed: int, label: str) -
 
 def _check_examples(train_ex: Examples, val_ex: Examples, cfg: DataConfig) -> None:
     if not len(train_ex.tokens):
-        raise ConfigError(f"data.source={cfg.source}: no training window ({train_ex.describe()})")
+        fix = f": {_longer(cfg, 'training')}" if train_ex.dropped else ""
+        raise ConfigError(f"data.source={cfg.source}: no training window ({train_ex.describe()}){fix}")
     if train_ex.answer_tokens == 0:
         raise ConfigError(
             f"data.source={cfg.source}: no training example keeps a token of its answer ({train_ex.describe()}): "
@@ -309,7 +313,21 @@ def _check_examples(train_ex: Examples, val_ex: Examples, cfg: DataConfig) -> No
         )
     if train_ex.truncated or train_ex.dropped:
         log.warning(f"data.overlong={cfg.overlong}: {train_ex.describe()}")
+    _check_val(val_ex, cfg)
+
+
+def _longer(cfg: DataConfig, which: str) -> str:
+    """What to do when data.overlong=drop dropped every `which` example."""
+    return (f"every {which} example is longer than a window (data.seq_len+1={cfg.seq_len + 1} tokens) and "
+            f"data.overlong=drop dropped it; raise data.seq_len (and model.max_seq_len), or set "
+            f"data.overlong=truncate to keep each example's first data.seq_len+1 tokens")  # fmt: skip
+
+
+def _check_val(val_ex: Examples, cfg: DataConfig) -> None:
     if cfg.val_tokens > 0 and not len(val_ex.tokens):
+        if val_ex.dropped:
+            raise ConfigError(f"data.source={cfg.source}: no validation window ({val_ex.describe()}): "
+                              f"{_longer(cfg, 'validation')}")  # fmt: skip
         raise ConfigError(f"data.source={cfg.source}: no validation examples; raise data.val_tokens or set it to 0")
 
 
@@ -391,11 +409,10 @@ class StreamExamples(Shards):
             n = self.counts["read"]
             self.counts["read"] += 1
             if self.exclude and _row_digest(row, self.cfg) in self.exclude:
-                self.n_excluded += 1
+                self._skip("held out")
                 continue
             at = f"data.source={self.cfg.source}, process {self.rank}'s streamed example {n}"
             ids, w, answered = row_example(row, self.tokenizer, self.cfg, self.template, at)
-            self._docs_this_epoch += 1
             ids = np.concatenate([[self.tokenizer.eod_id], ids]).astype(np.int64)
             w = np.concatenate([[0], w]).astype(np.uint8)
             if not answered:
@@ -405,9 +422,11 @@ class StreamExamples(Shards):
                 longer = f"example {n} is longer than a window ({len(ids)} tokens, data.seq_len+1={self.size})"
                 if self.cfg.overlong == "drop":
                     self._count("dropped", f"{longer}: dropped (data.overlong=drop)")
+                    self._skip("dropped")
                     continue
                 self._count("truncated", f"{longer}: truncated (data.overlong=truncate)")
                 ids, w = ids[: self.size], w[: self.size]
+            self._docs_this_epoch += 1
             self.counts["examples"] += 1
             return ids, w
 
@@ -451,8 +470,7 @@ def stream_examples(corpus, tokenizer, cfg: DataConfig, rows: int, rank: int, wo
     """data.format=chat or prompt, streamed: validation held out of the stream's head (or its split)."""
     template = ChatTemplate.load(cfg) if cfg.format == "chat" else None
     val, held = hold_out_examples(corpus.train if corpus.val is None else corpus.val, tokenizer, cfg, template)
-    if cfg.val_tokens > 0 and not len(val.tokens):
-        raise ConfigError(f"data.source={cfg.source}: no validation examples; raise data.val_tokens or set it to 0")
+    _check_val(val, cfg)
     exclude = held if corpus.val is None else set()  # a validation split shares no examples with training
     return StreamExamples(corpus.train, tokenizer, cfg, rows, rank, world, exclude, corpus.identity, template, val)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 
 import numpy as np
 
@@ -74,6 +75,13 @@ class Shards(Windows):
         self._node = self._split()
         self._it = None
         self._docs_this_epoch = 0
+        self._read_this_epoch = 0
+        self._skipped = Counter()  # this epoch's rows not trained on, by why (_skip)
+
+    def _skip(self, why: str) -> None:
+        """A row read and not trained on: "held out" (it repeats a validation example), "empty", "dropped"."""
+        self._skipped[why] += 1
+        self.n_excluded += why == "held out"
 
     def _split(self):
         from datasets.distributed import split_dataset_by_node
@@ -87,20 +95,46 @@ class Shards(Windows):
             if self._it is None:
                 self._it = iter(self._node)
             try:
-                return next(self._it)
+                row = next(self._it)
+                self._read_this_epoch += 1
+                return row
             except UnicodeDecodeError as e:
                 raise decoding_error(self.cfg, data_files(self.cfg, resolve_source(self.cfg)), e) from e
             except StopIteration:
                 if self._docs_this_epoch == 0:
-                    raise ConfigError(
-                        f"data.source={self.cfg.source}: process {self.rank} of {self.world} got no training "
-                        f"documents from the stream; give the dataset at least as many files (shards) as processes"
-                    ) from None
+                    raise self._nothing_to_train() from None
                 # A fresh split for the next epoch: a restored dataset would otherwise restart mid-epoch again.
                 self.epoch_count += 1
                 self._node, self._it = self._split(), None
                 self._node.set_epoch(self.epoch_count)
-                self._docs_this_epoch = 0
+                self._docs_this_epoch = self._read_this_epoch = 0
+                self._skipped = Counter()
+
+    def _nothing_to_train(self) -> ConfigError:
+        """Why a whole epoch of this process's shards gave nothing to train on, and what to change."""
+        head = f"data.source={self.cfg.source}: process {self.rank} of {self.world}"
+        if self._read_this_epoch == 0:
+            return ConfigError(f"{head} got no training documents from the stream; give the dataset at least as "
+                               f"many files (shards) as processes")  # fmt: skip
+        n, cfg = self._skipped, self.cfg
+        why = {
+            "held out": f"{n['held out']:,} repeat an example validation holds out of the stream's head (up to "
+            f"data.val_tokens={cfg.val_tokens:,} tokens; training skips a row equal to a held-out one)",
+            "empty": f"{n['empty']:,} are empty",
+            "dropped": f"{n['dropped']:,} are longer than a window (data.seq_len+1={cfg.seq_len + 1}) and "
+            f"data.overlong=drop dropped them",
+        }
+        fix = {
+            "held out": "lower data.val_tokens (the stream's head is validation, and these rows repeat it), give a "
+            "validation split (data.val_split), or set data.val_tokens=0",
+            "empty": "give the dataset more non-empty documents, in at least as many files (shards) as processes",
+            "dropped": "raise data.seq_len (and model.max_seq_len) or set data.overlong=truncate",
+        }
+        return ConfigError(
+            f"{head} got no training documents from the stream: of the {self._read_this_epoch:,} rows of its shards "
+            f"in epoch {self.epoch_count}, {', '.join(why[k] for k in why if n[k])}"
+            + "".join(f"; {fix[k]}" for k in fix if n[k])
+        )
 
     def next_batch(self) -> dict[str, np.ndarray]:
         """The next `rows` windows of this process's stream."""
@@ -173,9 +207,10 @@ class StreamBatches(Shards):
                 if text is not None and not isinstance(text, str):
                     raise ConfigError(f"data.source={self.cfg.source}: column {self.cfg.text_column!r} is not text")
                 self.n_empty += 1
+                self._skip("empty")
                 continue
             if self.exclude and _digest(text) in self.exclude:
-                self.n_excluded += 1
+                self._skip("held out")
                 continue
             ids = self.tokenizer.encode_batch([text])[0]
             self._docs_this_epoch += 1

@@ -13,7 +13,7 @@ import numpy as np
 from filelock import FileLock
 
 from jdp.config import ConfigError, DataConfig
-from jdp.data.corpus import cache_root
+from jdp.data.corpus import BUILDERS, cache_root, data_files, resolve_source
 from jdp.log import logger
 
 __all__ = [
@@ -208,18 +208,43 @@ def _documents(ds, tokenizer, cfg: DataConfig, where: str) -> _Documents:
     return _Documents(stream, doc_of_token, lengths, nonempty)
 
 
+def _holds_everything(docs: _Documents, n_docs: int, cfg: DataConfig, seed: int) -> ConfigError:
+    """data.val_tokens would hold out every document: the fix that works (a value that leaves training documents,
+    or, for one document, cutting it into several: no data.val_tokens can split a document)."""
+    head = (f"data.source={cfg.source}: holding out data.val_tokens={cfg.val_tokens:,} for validation would leave "
+            f"no training documents: it holds {len(docs.stream):,} tokens in {n_docs:,} document{'s' * (n_docs > 1)}")  # fmt: skip
+    if n_docs == 1:
+        cut = (f"cut it into documents with data.text_unit=line or data.text_unit=paragraph (data.text_unit="
+               f"{cfg.text_unit} makes each .txt file one document), " if _text_files(cfg) else "")  # fmt: skip
+        return ConfigError(
+            f"{head}, and validation holds out whole documents, so no data.val_tokens leaves one to train on: "
+            f"{cut}give a validation file or split (data.val_split), or set data.val_tokens=0 to switch evaluation off"
+        )
+    # choose() takes documents in this order until it holds data.val_tokens: any value up to all but the last's
+    order = np.random.default_rng([seed, 1]).permutation(np.flatnonzero(docs.nonempty))
+    fits = int(np.sum(docs.lengths[order[:-1]] + 1))
+    return ConfigError(
+        f"{head}. Lower data.val_tokens to at most {fits}, e.g. data.val_tokens={min(fits, len(docs.stream) // 10)}, "
+        f"or set it to 0 to switch evaluation off"
+    )
+
+
+def _text_files(cfg: DataConfig) -> bool:
+    """Whether the source is .txt files (data.text_unit says what a document of them is)."""
+    try:
+        files = data_files(cfg, resolve_source(cfg)) or []
+    except ConfigError:
+        return False
+    return any(BUILDERS.get(Path(f).suffix.lower()) == "text" for f in files)
+
+
 def _tokenize_into(cache: Path, key: str, ds, val_ds, tokenizer, cfg: DataConfig, seed: int) -> None:
     docs = _documents(ds, tokenizer, cfg, "")
     n_docs, n_empty = int(docs.nonempty.sum()), int((~docs.nonempty).sum())
     if val_ds is None:  # hold whole documents out of the training split
         is_val = docs.choose(cfg.val_tokens, seed)
         if is_val.sum() >= n_docs:
-            raise ConfigError(
-                f"data.source={cfg.source}: holding out data.val_tokens={cfg.val_tokens:,} for validation would "
-                f"leave no training documents: it holds {len(docs.stream):,} tokens in {n_docs:,} documents. Lower "
-                f"data.val_tokens, e.g. data.val_tokens={len(docs.stream) // 10} (a tenth of it), or 0 to switch "
-                f"evaluation off"
-            )
+            raise _holds_everything(docs, n_docs, cfg, seed)
         tokens = Tokens(docs.take(~is_val), docs.take(is_val), n_docs, n_empty)
     else:  # the validation split, bounded by data.val_tokens like a hold-out; nothing is held out of training
         val = np.zeros(0, docs.stream.dtype)
