@@ -80,6 +80,9 @@ class DataConfig:
     # data.tokenizer's own (chat_template.jinja, chat_template.json, tokenizer_config.json, as transformers saves it)
     chat_template: str = ""
     chat_template_name: str = ""  # one of several named templates (tool_use, rag, ...); "": the default
+    # extra template variables, as transformers' apply_chat_template(**kwargs) passes them (they override a special
+    # token of the same name): data.chat_template_kwargs='{enable_thinking: false}'
+    chat_template_kwargs: dict = field(default_factory=dict)
     overlong: str = "truncate"  # a fine-tuning example longer than a window: truncate or drop it (counted either way)
     # Resume although the data changed since the checkpoint (its fingerprint differs): refused by default, since
     # the held-out documents and the window order follow from the data (docs/data.md#changed-data)
@@ -223,7 +226,7 @@ _SECTION_TYPES = {
     "train": TrainConfig,
     "parallel": ParallelConfig,
 }
-_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "tuple": tuple}
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "tuple": tuple, "dict": dict}
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -271,6 +274,8 @@ def _coerce(where: str, typ: type, value: Any, from_text: bool) -> Any:
     """Check (file values) or parse (command-line text) one value against its field type."""
     if typ is tuple:
         return _sources(where, value, from_text)
+    if typ is dict:
+        return _mapping(where, value, from_text)
     try:
         if typ is bool:
             if isinstance(value, bool):
@@ -328,6 +333,20 @@ def _sources(where: str, value: Any, from_text: bool) -> tuple:
             typed[k] = _coerce(f"{where}: source {i + 1} {k}", field_type, v, from_text=False)
         out.append(typed)
     return tuple(out)
+
+
+def _mapping(where: str, value: Any, from_text: bool) -> dict:
+    """A mapping of names to values (YAML, or its flow form on the command line: key='{a: 1, b: false}')."""
+    if from_text:
+        try:
+            value = yaml.load(value, Loader=_UniqueKeys) if str(value).strip() else {}
+        except _Duplicate as e:
+            raise ConfigError(f"{where}: {str(e).split(': ', 1)[1]}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{where}: not valid YAML ({e}); write a mapping: '{{name: value, ...}}'") from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ConfigError(f"{where}: expected a mapping of names to values like {{name: value}}; got {value!r:.80}")
+    return dict(value)
 
 
 def resolve_config_path(name: str) -> Path:
