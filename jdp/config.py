@@ -601,16 +601,53 @@ def mixture_problems(d: DataConfig) -> list[str]:
     return problems
 
 
+# Keys that only some settings read (key prefixes end in "_"): (the keys, the setting that decides, the values of it
+# that read them). Set away from its default under another value, a key would be dropped without a word: validate
+# refuses it by this one rule (the strategies' and parallel.sync's own options: their registries, in the same words;
+# data.format's: formats.Format.keys).
+READ_ONLY_UNDER = (
+    (("optim.muon_",), "optim.name", ("muon",)),
+    (("optim.b1", "optim.b2", "optim.eps", "optim.weight_decay"), "optim.name", ("adamw", "muon")),
+    (("optim.momentum",), "optim.name", ("sgd",)),
+    (("model.remat_every",), "model.remat", ("dots", "full")),
+    (("train.live_",), "train.live", (True,)),
+    (("train.lighthouse",), "train.live", (True,)),
+)
+
+
+def _shown(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def unread_problems(cfg: Config) -> list[str]:
+    """Keys set (away from their defaults) that the chosen settings do not read: READ_ONLY_UNDER, and the data
+    keys of formats other than data.format (formats.Format.keys)."""
+    rules = list(READ_ONLY_UNDER)
+    for name in formats.names():
+        if keys := formats.get(name).keys:
+            readers = tuple(n for n in formats.names() if set(keys) <= set(formats.get(n).keys))
+            rules.append((tuple(f"data.{k}" for k in keys), "data.format", readers))
+    out = []
+    for keys, switch, readers in rules:
+        section, key = switch.split(".")
+        now = getattr(getattr(cfg, section), key)
+        if now in readers or (switch == "data.format" and any(e.get("format") in readers for e in cfg.data.sources)):
+            continue  # (a data.sources entry of a format that reads them)
+        for name in (n for n in valid_keys() if any(n == k or (k.endswith("_") and n.startswith(k)) for k in keys)):
+            part, field_ = name.split(".")
+            value, default = getattr(getattr(cfg, part), field_), getattr(_SECTION_TYPES[part](), field_)
+            if value != default:
+                read_by = " or ".join(f"{switch}={_shown(r)}" for r in readers)
+                out.append(f"{name}={_shown(value)} is read by {read_by} only, not {_shown(now)}: leave it out, or set "
+                           f"{switch}={_shown(readers[0])}")  # fmt: skip
+    return out
+
+
 def optim_problems(o: OptimConfig) -> list[str]:
-    """Muon's keys set for another optimizer (they would be dropped without a word), and Newton-Schulz coefficients
-    that are neither one triple nor one per step."""
-    default = OptimConfig()
+    """Newton-Schulz coefficients that are neither one triple nor one per step (Muon's keys set for another
+    optimizer: unread_problems)."""
     if o.name != "muon":
-        return [
-            f"optim.{f.name}={getattr(o, f.name)} is read by optim.name=muon only, not {o.name}: leave it out, or "
-            f"set optim.name=muon"
-            for f in dataclasses.fields(o) if f.name.startswith("muon_") and getattr(o, f.name) != getattr(default, f.name)
-        ]  # fmt: skip
+        return []
     triples = len(ns_coeffs(o.muon_ns_coeffs)) if _coeffs_ok(o.muon_ns_coeffs) else 1
     if triples not in (1, o.muon_ns_steps):
         return [
@@ -640,7 +677,7 @@ def lora_problems(cfg: Config) -> list[str]:
 def check(cfg: Config) -> None:
     """The config's values alone (choices, ranges, the optimizer's keys), before anything is built from them: what
     `jdp train` and `jdp allreduce` ask first, so a typo is one line, never a traceback. validate() asks it again."""
-    if problems := _value_problems(cfg) + optim_problems(cfg.optim):
+    if problems := _value_problems(cfg) + optim_problems(cfg.optim) + unread_problems(cfg):
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 
 
@@ -648,6 +685,7 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Derived:
     """Everything about the config alone that can be wrong, checked before data or compilation."""
     m, d, t, par = cfg.model, cfg.data, cfg.train, cfg.parallel
     problems = _value_problems(cfg) + models.problems(m) + mixture_problems(d) + optim_problems(cfg.optim)
+    problems += unread_problems(cfg)
     problems += lora_problems(cfg)
     if d.streaming and d.format in formats.names() and not (fmt := formats.get(d.format)).streams:
         problems.append(f"data.format={d.format} with data.streaming=true: streamed {fmt.what} is not supported yet")

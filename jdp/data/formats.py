@@ -25,6 +25,7 @@ class Format:
     within_documents: bool = False  # data.document_attention=auto keeps attention within each document
     streams: bool = True  # data.streaming=true reads it
     mixes: bool = True  # a data.sources entry may be of it
+    keys: tuple[str, ...] = ()  # the data.* keys it reads that other formats do not (set for another: refused)
     # (corpus, tokenizer, DataConfig, batch_size, seed, rows, rank, world) -> (dataset.Windows, tokens.Tokens: the
     # validation stream, empty where the windows evaluate themselves)
     load: Callable | None = field(default=None, compare=False)
@@ -40,7 +41,8 @@ _FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
         Format("text", "text", lambda d: [d.text_column]),
-        Format("chat", "fine-tuning data", lambda d: ["messages"], within_documents=True),
+        Format("chat", "fine-tuning data", lambda d: ["messages"], within_documents=True,
+               keys=("chat_template", "chat_template_name", "chat_template_kwargs")),
         Format("prompt", "fine-tuning data", lambda d: ["prompt", "completion"], within_documents=True),
     )
 }

@@ -462,6 +462,10 @@ def check_command(command: list[str]) -> list[str]:
 def launch(args, command: list[str]) -> int:
     command = check_command(command)
     check_counts(args)
+    for option, value in (("--lighthouse", getattr(args, "lighthouse", None)),
+                          ("--min-members", getattr(args, "min_members", None))):  # fmt: skip
+        if value is not None:
+            raise LaunchError(f"{option} {value} is read by --live only: leave it out, or add --live")
     place(args)
     args.min_nodes, args.nnodes = nodes_range(args.nnodes)
     if args.min_nodes < 1:
