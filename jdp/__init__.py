@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 from typing import TYPE_CHECKING
+
+from jdp import moved as _moved
 
 _EXPORTS = {
     "Config": "jdp.config",
@@ -81,6 +84,7 @@ __all__ = [
     "train",
 ]
 __version__ = "0.1.0"
+_moved.install(sys.meta_path)  # the module paths the redesign moved import for one more release, with a warning
 
 
 def __getattr__(name: str):
