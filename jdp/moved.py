@@ -43,16 +43,29 @@ MOVED = {  # old path -> new home
     "jdp.coordination": "jdp.job.coordination",
     "jdp.train": "jdp.lm",
 }
+JOIN, PROCESS, XLA = "jdp.job.join", "jdp.job.process", "jdp.job.xla"
 SPLIT = {  # an old module's names that live elsewhere now: name -> home
-    "jdp.model": {"make_model": "jdp.models", "lm_loss": "jdp.models.common", "count_params": "jdp.models.common"},
-    "jdp.sft": {"answer_spans": "jdp.data.chat", "encode_with_offsets": "jdp.data.chat"},
+    "jdp.model": {
+        **dict.fromkeys(("lm_loss", "count_params"), "jdp.models.common"),
+        "make_model": "jdp.models",
+        **dict.fromkeys(("causal_attention", "attention_scores", "query_blocks"), "jdp.attention"),
+    },
+    "jdp.sft": dict.fromkeys(("answer_spans", "encode_with_offsets"), "jdp.data.chat"),
+    "jdp.world": {  # what the released world.py held besides the job's description
+        **dict.fromkeys(("initialize", "JoinError", "check_port_free", "bind_address", "BIND_ENV"), JOIN),
+        **dict.fromkeys(("watch_launcher", "flush_every_line", "tolerate_broken_pipes"), PROCESS),
+        **dict.fromkeys(("set_xla_flags", "collective_flags", "keep_scratch_memory", "use_compilation_cache"), XLA),
+    },
     "jdp.train": {"RunError": "jdp.trainer"},
 }
 
 
 def new_home(old: str) -> str:
-    """Where `old`'s names are now, in words: "jdp.models.gpt (lm_loss: jdp.models.common, ...)"."""
-    split = ", ".join(f"{name}: {home}" for name, home in SPLIT.get(old, {}).items())
+    """Where `old`'s names are now, in words: "jdp.models.gpt (lm_loss, count_params: jdp.models.common; ...)"."""
+    homes: dict[str, list[str]] = {}
+    for name, home in SPLIT.get(old, {}).items():
+        homes.setdefault(home, []).append(name)
+    split = "; ".join(f"{', '.join(names)}: {home}" for home, names in homes.items())
     return MOVED[old] + (f" ({split})" if split else "")
 
 
