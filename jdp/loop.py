@@ -115,6 +115,10 @@ class Loop:
         run, t = self.run, self.t
         for callback in run.callbacks:
             callback.begin(self)
+        # SIGINT/SIGTERM from here on: stop at a step every process agrees on. Taken over from the start-up's handling
+        # (job/process.py) only now, with no moment without a handler: the replica check at step 0 is start-up.
+        every, lag = sync.get(run.cfg.parallel.sync).apart(run.cfg.parallel)  # how far the groups may run apart
+        stop = StopAgreement(run.handle_signals, every, lag)
         # On a terminal a progress bar; into a file or a pipe (a log), a plain line per logged step instead of the
         # bar's carriage returns, which make one endless line of a log file
         self.lines = self.is_main and t.progress and not sys.stderr.isatty()
@@ -122,8 +126,7 @@ class Loop:
                         unit="step", dynamic_ncols=True, mininterval=1.0)  # fmt: skip
         self.loader = Prefetcher(lambda i: (run.data.local_batch(i), run.data.position()), run.start, t.steps,
                                  run.cfg.data.prefetch)  # fmt: skip
-        every, lag = sync.get(run.cfg.parallel.sync).apart(run.cfg.parallel)  # how far the groups may run apart
-        stop, run.phases.watchdog = StopAgreement(run.handle_signals, every, lag), Watchdog(t.step_timeout_s)
+        run.phases.watchdog = Watchdog(t.step_timeout_s)
         loop_start = time.time()
         try:
             preempted = self.steps(stop)

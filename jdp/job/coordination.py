@@ -18,6 +18,7 @@ from contextlib import contextmanager
 import jax
 
 from jdp import jax_private
+from jdp.job.process import exit_at_once, startup_interrupts
 from jdp.log import PLAIN, logger
 
 __all__ = [
@@ -190,17 +191,6 @@ def first_departure() -> str | None:
     return "".join(c if c.isprintable() else "?" for c in notice[:500])
 
 
-def leave_now(code: int) -> None:
-    """Exit at once, with what was said flushed, without Python's finalization (a second Ctrl-C: XLA may be in
-    the middle of a computation)."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    os._exit(code)
-
-
 def leave_job(code: int) -> None:
     """Exit now, never through JAX's shutdown barrier (which would wait for peers that may be gone). Process 0
     first gives its peers' monitors time to read the departure notice, which lives in its coordinator (and
@@ -274,8 +264,6 @@ class StopAgreement:
             self._take_signals()
 
     def _take_signals(self) -> None:
-        from jdp.job.process import startup_interrupts
-
         self._pipe = os.pipe()
         os.set_blocking(self._pipe[1], False)
         self._wakeup = signal.set_wakeup_fd(self._pipe[1], warn_on_full_buffer=False)
@@ -306,7 +294,7 @@ class StopAgreement:
                     if got > 1:
                         log.warning(f"second {name}: exiting now, without saving", extra=PLAIN)
                         announce_departure(f"exited at a second {name}")
-                        leave_now(128 + sig)
+                        exit_at_once(128 + sig)  # XLA may be compiling: no finalization
                     log.warning(
                         f"process {jax.process_index()} got {name}: every process will stop at an agreed step and "
                         f"save (send it again to exit at once)",

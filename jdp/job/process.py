@@ -3,6 +3,7 @@ its output is line-buffered and never breaks its process when the reader is gone
 
 from __future__ import annotations
 
+import atexit
 import os
 import select
 import signal
@@ -15,7 +16,8 @@ from contextlib import contextmanager
 from jdp.log import logger, speaks
 
 __all__ = [
-    "INTERRUPTED_EXIT", "LAUNCHER_GRACE_S", "LAUNCHER_PID", "Interrupted", "StartupInterrupts", "flush_every_line",
+    "INTERRUPTED_EXIT", "LAUNCHER_GRACE_S", "LAUNCHER_PID", "Interrupted", "StartupInterrupts", "exit_at_once",
+    "flush_every_line",
     "startup_interrupts", "tolerate_broken_pipes", "watch_launcher",
 ]  # fmt: skip
 
@@ -121,18 +123,27 @@ def startup_interrupts() -> StartupInterrupts | None:
 
 
 class StartupInterrupts:
-    """SIGINT before the training loop takes the signals over (it stops at an agreed step and saves there).
+    """SIGINT before the training loop takes the signals over (it stops at an agreed step and saves).
 
     Python raises KeyboardInterrupt at the next bytecode of the main thread, which goes wrong in two ways during
     start-up: raised inside a `__del__` (datasets' objects have them) it is printed as "Exception ignored" and
     dropped, and the run trains on; raised while the main thread is in C++ (XLA compiling), it waits until that
-    returns, seconds later. Here the interrupt is remembered and raised again at the next phase (`check`), and a
-    thread woken by the signal itself (`signal.set_wakeup_fd`) ends the process if the main thread has not
-    answered within `answer_s` (or at once on a second Ctrl-C): `jdp: interrupted while <phase>`, `cleanup()`,
-    exit 130. Main thread only; the command line's runs (the library leaves a user's signals alone)."""
+    returns, seconds later; and raised inside a C++ extension's Python callbacks it can crash the process (nanobind's
+    initialization of jaxlib aborts, SIGABRT; a JAX call it cut short makes Python's finalization segfault on
+    jaxlib 0.10). Here the interrupt is remembered and raised again at the next phase (`check`), and a thread woken
+    by the signal itself (`signal.set_wakeup_fd`) ends the process if the main thread's handler has not run within
+    `stuck_s` (it is in C), or has not answered within `answer_s` (it dropped it), or at once on a second Ctrl-C:
+    `jdp: interrupted while <phase>`, `cleanup()`, exit 130. The command line's (`command=True`) never raises in
+    the main thread: its watch thread ends the process at the first Ctrl-C, and a KeyboardInterrupt from elsewhere
+    that leaves it ends the process after the command's line without Python's finalization. The training loop
+    takes SIGINT over from it (`give_to_loop`) with no moment without a handler. Main thread only; the command
+    line's runs (the library leaves a user's signals alone, unless its caller asks: handle_signals)."""
 
-    def __init__(self, phase, cleanup=lambda: None, answer_s: float = 2.0, check_on_exit: bool = True):
+    def __init__(self, phase, cleanup=lambda: None, answer_s: float = 2.0, check_on_exit: bool = True,
+                 stuck_s: float = 0.3, command: bool | None = None):  # fmt: skip
+        """command: the command line's (default: check_on_exit=False, which only the command line's is)."""
         self.phase, self.cleanup, self.answer_s, self.check_on_exit = phase, cleanup, answer_s, check_on_exit
+        self.stuck_s, self.command = stuck_s, (not check_on_exit) if command is None else command
         self.count, self.answered = 0, threading.Event()
         self._previous = self._pipe = None
         self.active = False
@@ -158,65 +169,105 @@ class StartupInterrupts:
             self._hook(unraisable)
 
     def __exit__(self, kind, error, tb) -> None:
+        # An error after the interrupt was raised is its doing: a C extension whose initialization it broke raises
+        # ImportError("Encountered an error while initializing the extension"), with no trace of the interrupt
+        interrupted = kind is not None and (issubclass(kind, KeyboardInterrupt) or self.count > 0)
+        if self.command and interrupted:
+            atexit.register(exit_at_once, INTERRUPTED_EXIT)  # the command says its line and returns 130 first
         self.hand_over(check=kind is None and self.check_on_exit)
+        if self.command and interrupted and not issubclass(kind, KeyboardInterrupt):
+            raise Interrupted(self.phase()) from None
 
     def hand_over(self, check: bool = True) -> None:
-        """Give SIGINT back (to the training loop's own handling, or to what was there before); `check`: raise the
-        interrupt a `__del__` dropped since the last phase began, if there was one."""
-        global _current
+        """Give SIGINT back (to what was there before); `check`: raise the interrupt a `__del__` dropped since the
+        last phase began, if there was one."""
         if self.active:
-            signal.set_wakeup_fd(self._wakeup)
+            signal.set_wakeup_fd(self._wakeup)  # before the pipe closes: no signal is written to a closed fd
             signal.signal(signal.SIGINT, self._previous)
-            if sys.unraisablehook == self._unraisable:
-                sys.unraisablehook = self._hook
-            self.answer()
-            os.close(self._pipe[1])  # the watch thread's select wakes, reads b"" and ends
-            self.active, _current = False, None
+            self._release()
         if check:
             self.check()
 
+    def give_to_loop(self) -> tuple:
+        """The training loop has installed its own SIGINT handler and wakeup fd over this one's: stop watching and
+        return what was there before this one (the handler, the wakeup fd), for the loop to restore at its end. Then
+        `check`: an interrupt a `__del__` dropped is raised still."""
+        previous = self._previous, self._wakeup
+        self._release()
+        return previous
+
+    def _release(self) -> None:
+        global _current
+        if sys.unraisablehook == self._unraisable:
+            sys.unraisablehook = self._hook
+        self.answer()
+        os.close(self._pipe[1])  # the watch thread's select wakes, reads b"" and ends
+        self.active, _current = False, None
+
     @contextmanager
     def until_the_loop(self) -> Iterator[StartupInterrupts]:
-        """The trainer's part of start-up: on leaving it without an error, SIGINT goes to the loop."""
+        """The trainer's part of start-up. It stays in force until the training loop takes SIGINT over
+        (`give_to_loop`, just before the first step: the replica check at step 0 is start-up too), or the command
+        ends; leaving it without an error raises an interrupt a `__del__` dropped."""
         yield self
-        self.hand_over()
+        self.check()
 
     def _on_signal(self, sig, frame) -> None:
         self.count += 1
-        raise Interrupted(self.phase())
+        if not self.command:  # the command line's: the watch thread has ended the process, or is about to
+            raise Interrupted(self.phase())
 
     def answer(self) -> None:
-        """The main thread has the interrupt in hand (it is unwinding): the watch thread leaves the exit to it."""
+        """The main thread has the interrupt in hand (it is unwinding): the watch thread leaves the exit to it
+        (unless a second Ctrl-C comes first)."""
         self.answered.set()
 
     def check(self) -> None:
         """Raise the interrupt the main thread dropped (inside a __del__), if there was one."""
-        if self.count:
+        if self.count and not self.command:
             raise Interrupted(self.phase())
 
+    def _deadline(self, since: float | None) -> float | None:
+        """When the watch thread ends the process after a first Ctrl-C at `since`: soon if the main thread's
+        handler has not run (it is in C, compiling), later if it has (it is unwinding, or dropped it in a __del__),
+        never once it answered."""
+        if since is None or self.answered.is_set():
+            return None
+        return since + (self.answer_s if self.count else self.stuck_s)
+
     def _watch(self) -> None:
-        read, seen, deadline = self._pipe[0], 0, None
+        read, seen, since = self._pipe[0], 0, None
         try:
-            while not self.answered.is_set():
+            while True:
+                deadline = self._deadline(since)
                 wait = None if deadline is None else max(0.0, deadline - time.monotonic())
                 if select.select([read], [], [], wait)[0]:
                     if not (data := os.read(read, 64)):
-                        return
+                        return  # handed over
                     seen += data.count(bytes([signal.SIGINT]))
-                    if seen == 1 and deadline is None:
-                        deadline = time.monotonic() + self.answer_s
-                        continue
-                if self.answered.is_set():
-                    return
-                if seen >= 2 or (deadline is not None and time.monotonic() >= deadline):
-                    # no answer in time (the main thread is in C++, or dropped it and reached no phase), or a
-                    # second Ctrl-C: end here
-                    if speaks():  # rank 0 says it for the job, as the loop's lines are said
-                        sys.stderr.write(f"jdp: interrupted while {self.phase()}\n")
-                        sys.stderr.flush()
-                    try:
-                        self.cleanup()
-                    finally:
-                        os._exit(INTERRUPTED_EXIT)
+                    since = time.monotonic() if since is None and seen else since
+                if (seen and self.command) or seen >= 2 or (deadline is not None and time.monotonic() >= deadline and not self.answered.is_set()):
+                    self._end()
         finally:
             os.close(read)
+
+    def _end(self) -> None:
+        """No answer in time (the main thread is in C++, or dropped it and reached no phase), or a second Ctrl-C:
+        end here."""
+        if speaks():  # rank 0 says it for the job, as the loop's lines are said
+            sys.stderr.write(f"jdp: interrupted while {self.phase()}\n")
+        try:
+            self.cleanup()
+        finally:
+            exit_at_once(INTERRUPTED_EXIT)
+
+
+def exit_at_once(code: int) -> None:
+    """Flush what was said and exit without Python's finalization: after an interrupt, XLA may be compiling or hold
+    state the interrupted call left half made (finalization then crashed with SIGSEGV on jaxlib 0.10, or waited)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
