@@ -13,6 +13,7 @@ from flax import nnx
 from jdp import adapters, checkpoint, decode, hf, peft
 from jdp.build import run_model
 from jdp.config import Config, ConfigError, DataConfig, load_config
+from jdp.data.tokens import _SLOW_TOKENIZER_FILES as SLOW_TOKENIZER_FILES
 from jdp.data.tokens import ByteTokenizer, HFTokenizer, load_tokenizer
 from jdp.log import logger
 from jdp.models import make_model
@@ -35,6 +36,8 @@ log = logger("jdp.generate")
 _ON_STDERR = {"stderr": True}  # stdout carries the text alone, for a pipe
 
 Tokenizer = ByteTokenizer | HFTokenizer
+# What a model directory's tokenizer is read from (tokenizers' file, or those transformers reads without it)
+TOKENIZER_FILES = ("tokenizer.json", *SLOW_TOKENIZER_FILES)
 
 
 def load(path: str | Path, step: int | None = None) -> tuple[Config, nnx.Module, Tokenizer, int | None]:
@@ -50,6 +53,14 @@ def load_pretrained(path: str | Path) -> tuple[Config, nnx.Module, Tokenizer]:
     """(config, model, tokenizer) of a Hugging Face GPT-2 directory, on one device; its tokenizer from the same
     directory (tokenizer.json, or transformers' files when transformers is installed)."""
     cfg = Config(model=hf.model_config(path), data=DataConfig(tokenizer=str(path)))
+    if not any((Path(path).expanduser() / name).is_file() for name in TOKENIZER_FILES):
+        found = ", ".join(sorted(p.name for p in Path(path).expanduser().iterdir())[:8])
+        raise ConfigError(
+            f"{path}: a Hugging Face model directory without a tokenizer (none of {', '.join(TOKENIZER_FILES)}; "
+            f"found: {found}); jdp generate reads the tokenizer from the model's directory: save the model's own "
+            f"tokenizer into it (AutoTokenizer.from_pretrained(NAME).save_pretrained('{path}'), or "
+            f"`hf download NAME tokenizer.json tokenizer_config.json --local-dir {path}`)"
+        )
     tokenizer = load_tokenizer(str(path))
     model, _ = hf.load_model(cfg.model, path)
     graphdef, state = nnx.split(model)

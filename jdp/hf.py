@@ -43,6 +43,7 @@ from jdp import models
 from jdp.errors import ConfigError
 from jdp.models.config import ModelConfig
 from jdp.models.hf_names import Architecture, Slot
+from jdp.rundir import RunDir
 
 __all__ = [
     "CONFIG",
@@ -92,14 +93,23 @@ def is_hf_dir(path: str | Path) -> bool:
     return (p / CONFIG).is_file() and ((p / WEIGHTS).is_file() or (p / INDEX).is_file())
 
 
-def read_config(path: str | Path) -> dict:
-    """config.json of a Hugging Face model directory, checked to be a model jdp can represent exactly."""
-    p = Path(path).expanduser()
+def read_config(path: str | Path, key: str = "") -> dict:
+    """config.json of a Hugging Face model directory, checked to be a model jdp can represent exactly. `key`: the
+    setting that named the directory (train.init_from), named in the errors."""
+    p, named = Path(path).expanduser(), f"{key}={path}" if key else str(path)
     if not p.is_dir():
-        raise ConfigError(f"{path}: no such directory; give a local Hugging Face model directory (config.json + "
+        raise ConfigError(f"{named}: no such directory; give a local Hugging Face model directory (config.json + "
                           f"model.safetensors), e.g. one saved by save_pretrained or downloaded with `hf download`")  # fmt: skip
     if not (p / CONFIG).is_file():
-        raise ConfigError(f"{path}: has no {CONFIG}; give a Hugging Face model directory")
+        run = RunDir(p)
+        if run.config.is_file() or run.checkpoints.is_dir():
+            raise ConfigError(
+                f"{named} is a jdp run directory (its config.yaml and checkpoints/), not a Hugging Face model "
+                f"directory: to continue that run give train.run_dir={path} (it resumes from its newest checkpoint); "
+                f"to start a new run from its weights, convert them first with `jdp export {path} OUT` and give "
+                f"train.init_from=OUT data.tokenizer=OUT (the export holds the run's tokenizer)"
+            )
+        raise ConfigError(f"{named}: has no {CONFIG}; give a Hugging Face model directory")
     if not ((p / WEIGHTS).is_file() or (p / INDEX).is_file()):
         found = ", ".join(sorted(q.name for q in p.iterdir())) or "nothing"
         raise ConfigError(

@@ -27,10 +27,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import importlib.util
 import json
 import logging
 import os
 import socket
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -73,6 +75,7 @@ from jdp.trainer import RunError
 __all__ = ["problems", "train"]
 
 log = logger("jdp.live")
+TORCHFT = "torchft==0.2.0"  # the version the tests ran (CI's oldest stack: .ci/run); jdp[live] asks for torchft>=0.2
 
 
 def problems(cfg: Config) -> list[str]:
@@ -95,7 +98,11 @@ def problems(cfg: Config) -> list[str]:
                    "train.callbacks")  # fmt: skip
     if t.live_min < 1:
         out.append(f"train.live_min={t.live_min}: a step needs at least one member")
-    if not (t.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")):
+    if importlib.util.find_spec("torchft") is None:  # its Lighthouse too: the next step's advice cannot be taken yet
+        out.append(f"train.live=true needs torchft, which this Python ({sys.executable}) does not have: install it "
+                   f"first, `{sys.executable} -m pip install '{TORCHFT}' torch` (jdp's extra: 'jdp[live]'), then start "
+                   "its Lighthouse, torchft_lighthouse (docs/live.md), and set train.lighthouse=http://HOST:PORT")  # fmt: skip
+    elif not (t.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")):
         out.append("train.live=true needs torchft's Lighthouse: start `torchft_lighthouse --min_replicas 2 "
                    "--join_timeout_ms 1000 --bind [::]:29510` and set train.lighthouse=http://HOST:29510")  # fmt: skip
     return out

@@ -20,10 +20,11 @@ from jdp.log import logger
 from jdp.memory import check_memory
 from jdp.metrics import flops_per_token
 from jdp.models.common import lm_loss
+from jdp.models.config import ModelConfig
 from jdp.optim import make_optimizer
 from jdp.trainer import Trainer
 
-__all__ = ["LanguageModel", "Text", "checked_import", "train"]
+__all__ = ["LanguageModel", "Text", "checked_import", "no_model_to_fine_tune", "train"]
 
 log = logger("jdp.lm")
 
@@ -33,6 +34,8 @@ def train(cfg: Config, world: World | None = None, explicit: frozenset[str] = fr
     keys the user set on the command line (`model.d_model`, ...), which an import must agree with."""
     if cfg.train.live:  # each process one member of torchft's quorum, not one part of a JAX job (live.py)
         return live.train(cfg)
+    if problem := no_model_to_fine_tune(cfg, explicit):
+        raise ConfigError(problem)
     cfg, adopted = checked_import(cfg, explicit) if cfg.train.init_from or cfg.train.init_adapter else (cfg, [])
     return LanguageModel(cfg, world, adopted).fit()
 
@@ -151,6 +154,22 @@ class Text(Source):
         return [(label, map(self.documents, batches)) for label, batches in self.data.eval_sets()]
 
 
+def no_model_to_fine_tune(cfg: Config, explicit: frozenset[str] = frozenset()) -> str:
+    """Why a fine-tuning config (hf-finetune, sft-chat: windows as long as a published model's, and no model shape
+    of their own, which config.json gives) cannot run without train.init_from ("" when it can): without one it would
+    build jdp's default model, and the first error would be data.seq_len against that model's positions."""
+    default = ModelConfig().max_seq_len
+    if cfg.train.init_from or cfg.data.seq_len <= cfg.model.max_seq_len or cfg.model.max_seq_len != default:
+        return ""
+    if explicit & {"data.seq_len", "model.max_seq_len"}:
+        return ""  # the command line asked for these windows: validate's own words about them
+    data = {"chat": "conversations", "prompt": "prompts and completions"}.get(cfg.data.format, "text")
+    return (f"this config fine-tunes a model on {data} (data.seq_len={cfg.data.seq_len}, no model shape: it comes from "
+            f"the model's config.json): give train.init_from=DIR data.tokenizer=DIR (a Hugging Face model directory "
+            f"and its tokenizer, e.g. one downloaded with `hf download`), and data.source=YOUR_DATA. To train a model "
+            f"from scratch instead, set its shape (model.max_seq_len={cfg.data.seq_len}, model.d_model, ...)")  # fmt: skip
+
+
 def checked_import(cfg: Config, explicit: frozenset[str] = frozenset()) -> tuple[Config, list[str]]:
     """The config with train.init_from's model and train.init_adapter's model.lora_* (PEFT's adapter_config.json):
     (config, what the imports changed, to print at start)."""
@@ -172,6 +191,7 @@ def _checked_base(cfg: Config, explicit: frozenset[str]) -> tuple[Config, list[s
     The model's keys come from the directory's config.json, and data.seq_len is lowered to its positions, except
     where the command line set them (`explicit`): those must agree, and all that do not are one error."""
     path = cfg.train.init_from
+    hf.read_config(path, "train.init_from")  # the directory before what else the run needs of it (its tokenizer)
     if cfg.data.tokenizer == "byte":
         raise ConfigError(
             f"train.init_from={path} with data.tokenizer=byte: the imported model's ids are its own "

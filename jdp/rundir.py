@@ -12,6 +12,8 @@ import threading
 import time
 from pathlib import Path
 
+import yaml
+
 from jdp.errors import ConfigError
 
 __all__ = ["RunDir", "RunDirEscape", "RunDirInUse", "RunLock"]
@@ -82,15 +84,30 @@ class RunDir:
         if not self.path.is_dir():
             return None
         entries = sorted(p.name for p in self.path.iterdir())
-        ours = {p.name for p in self.files() + self.trees()}
-        if not entries or any(name in ours or name.startswith((RunLock.NAME, "archived-")) for name in entries):
+        if not entries or self.written_by_jdp(entries):
             return None
         shown = ", ".join(entries[:5]) + (f", ... ({len(entries)} entries)" if len(entries) > 5 else "")
+        ours = {p.name for p in self.files() + self.trees()}
+        named = [name for name in entries if name in ours]
+        mine = f"; its {', '.join(named)} {'is' if len(named) == 1 else 'are'} not jdp's" if named else ""
         return (
-            f"train.run_dir={self.path} is not empty and is not a jdp run directory (it holds {shown}); jdp writes "
-            f"checkpoints and metrics there and moves old runs' files around, so it takes only a new or empty "
-            f"directory or one a jdp run wrote. Give another train.run_dir"
+            f"train.run_dir={self.path} is not empty and is not a jdp run directory (it holds {shown}{mine}); jdp "
+            f"writes checkpoints and metrics there and moves old runs' files around, so it takes only a new or empty "
+            f"directory or one a jdp run wrote. Give another train.run_dir (nothing was written)"
         )
+
+    def written_by_jdp(self, entries: list[str]) -> bool:
+        """Whether a jdp run wrote this directory: its lock or an archive of an earlier run, a config.yaml of jdp's
+        sections (saved before the first step: a run stopped before its first checkpoint has one), a checkpoints/
+        of steps (or none yet), or a metrics.jsonl of jdp's records. A file of the same name alone is not enough:
+        a directory of the user's own metrics.jsonl or config.yaml is not a run to move files around in."""
+        if any(name.startswith((RunLock.NAME, "archived-")) for name in entries):
+            return True
+        if self.checkpoints.is_dir() and not self.checkpoints.is_symlink():
+            names = [p.name for p in self.checkpoints.iterdir()]
+            if not names or any(name[:1].isdigit() for name in names):
+                return True
+        return _jdp_config(self.config) or _jdp_metrics(self.metrics)
 
     @property
     def data_states(self) -> Path:
@@ -253,6 +270,31 @@ class RunLock:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
         self.mine = None
+
+
+_SECTIONS = {"model", "data", "optim", "train", "parallel"}
+
+
+def _jdp_config(path: Path) -> bool:
+    """Whether `path` is a config.yaml jdp saved: a YAML mapping of jdp's sections."""
+    try:
+        if not path.is_file() or path.stat().st_size > 1 << 20:
+            return False
+        saved = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+    return isinstance(saved, dict) and bool(saved) and set(saved) <= _SECTIONS
+
+
+def _jdp_metrics(path: Path) -> bool:
+    """Whether `path` is a metrics.jsonl jdp wrote: its first line one of jdp's records (a step number)."""
+    try:
+        with path.open("rb") as f:
+            first = f.readline(1 << 16)
+        record = json.loads(first)
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and isinstance(record.get("step"), int)
 
 
 def _read(path: Path) -> dict | None:

@@ -170,3 +170,23 @@ def test_generate_and_export_print_no_absl_warnings_and_the_export_generates_ali
     _, back, back_tokenizer, step = load(out)  # what `jdp generate OUT_DIR` runs
     assert step is None and back.cfg.vocab_size == back_tokenizer.vocab_size == 257
     assert generate(back, back_tokenizer, PROMPT, max_new_tokens=8, temperature=0.0) == greedy
+
+
+def test_a_model_directory_without_a_tokenizer_gets_advice_generate_takes(tmp_path, capsys):
+    """Issue 65: `jdp generate DIR` on a model directory without a tokenizer said `or data.tokenizer=byte`, an option
+    jdp generate does not have (and a byte tokenizer is not the model's). Refused before the weights are read."""
+    from jdp.cli import main
+
+    fixture = os.path.join(os.path.dirname(__file__), "data", "hf-gpt2-tiny")
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(fixture, name), model / name)
+    code = main(["generate", str(model), "--prompt", "hi"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "data.tokenizer" not in err, err
+    assert f"jdp: error: {model}: a Hugging Face model directory without a tokenizer (none of tokenizer.json" in err
+    assert "found: config.json, model.safetensors); jdp generate reads the tokenizer from the model's directory" in err
+    assert f"save_pretrained('{model}')" in err
+    shutil.copy(os.path.join(fixture, "tokenizer.json"), model / "tokenizer.json")  # the advice taken: it loads
+    assert load(model)[2].vocab_size == 320

@@ -481,3 +481,25 @@ def test_gpt2_finetune_fits_gpt2_small_and_new_keys_do_not_block_resume(tmp_path
         del old[section][key]
     assert config_differences(old, load_config("tiny").to_dict()) == []
     assert config_differences(old, load_config("tiny", ["model.bias=true"]).to_dict()) == ["model.bias: False -> True"]
+
+
+def test_init_from_a_missing_path_or_a_jdp_run_names_that_before_asking_for_a_tokenizer(tmp_path, capsys):
+    """Issue 65: both were answered `set data.tokenizer to it (e.g. data.tokenizer=PATH)`, which could not help."""
+    from jdp.cli import main
+
+    run = tmp_path / "runs" / "mine"  # what `jdp train` leaves: config.yaml, checkpoints/
+    (run / "checkpoints" / "200").mkdir(parents=True)
+    (run / "config.yaml").write_text("train:\n  steps: 200\n")
+    out = tmp_path / "new"
+    for path, says in [
+        (tmp_path / "missing", f"train.init_from={tmp_path / 'missing'}: no such directory; give a local Hugging Face"),
+        (run, f"train.init_from={run} is a jdp run directory (its config.yaml and checkpoints/), not a Hugging Face "
+              f"model directory: to continue that run give train.run_dir={run} (it resumes from its newest "
+              f"checkpoint); to start a new run from its weights, convert them first with `jdp export {run} OUT` and "
+              f"give train.init_from=OUT data.tokenizer=OUT"),
+    ]:  # fmt: skip
+        code = main(["train", f"train.init_from={path}", f"train.run_dir={out}"])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith(f"jdp: error: {says}") and err.count("\n") == 1, err
+        assert "data.tokenizer=byte" not in err and not out.exists()
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml"]

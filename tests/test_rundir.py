@@ -177,3 +177,41 @@ def test_a_resume_over_changed_data_is_refused_unless_accepted_and_the_same_data
     code, err = _jdp_train(run_dir, capsys, *data, "train.steps=6")
     assert code == 0 and "changed" not in err, err
     assert json.loads((run_dir / "summary.json").read_text())["resumed_from"] == 4
+
+
+def test_a_directory_of_ones_own_files_named_like_a_runs_is_refused_and_a_runs_own_is_taken(tmp_path, capsys):
+    """Issue 65: train.run_dir at a directory of the user's own files that holds a metrics.jsonl was taken as a run
+    (their metrics.jsonl moved aside as damaged). A jdp run is what jdp wrote: its lock, an archive, a config.yaml of
+    jdp's sections, a checkpoints/ of steps (or none yet), a metrics.jsonl of jdp's records."""
+    from jdp.config import save_config
+    from jdp.rundir import RunDir
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "metrics.jsonl").write_text("epoch,acc\n1,0.9\n")
+    (mine / "config.yaml").write_text("lr: 0.1\nepochs: 3\n")
+    (mine / "notes.md").write_text("mine\n")
+    before = _files(mine)
+    code, err = _jdp_train(mine, capsys)
+    assert code == 2 and "Traceback" not in err, err
+    assert (f"jdp: error: train.run_dir={mine} is not empty and is not a jdp run directory (it holds config.yaml, "
+            f"metrics.jsonl, notes.md; its config.yaml, metrics.jsonl are not jdp's)") in err, err  # fmt: skip
+    assert "Give another train.run_dir (nothing was written)" in err and _files(mine) == before
+    assert sorted(p.name for p in mine.iterdir()) == ["config.yaml", "metrics.jsonl", "notes.md"]
+
+    def usable(*made) -> bool:  # a directory holding what a run makes at one moment or another
+        run = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        run.mkdir()
+        for make in made:
+            make(run)
+        (run / "notes.md").write_text("the user's, beside the run's\n")
+        return RunDir(run).unusable() is None
+
+    saved = lambda run: save_config(load_config("tiny", [f"train.run_dir={run}"]), run)  # noqa: E731
+    record = lambda run: (run / "metrics.jsonl").write_text('{"step": 10, "loss": 4.1}\n')  # noqa: E731
+    assert usable(saved, record)  # stopped before its first checkpoint
+    assert usable(record) and usable(lambda run: (run / "checkpoints" / "20").mkdir(parents=True))
+    assert usable(lambda run: (run / "checkpoints").mkdir())  # made before restoring, the run stopped there
+    assert usable(lambda run: (run / ".jdp-lock").write_text("{}")) and usable(lambda run: (run / "archived-1").mkdir())
+    assert not usable(lambda run: (run / "checkpoints" / "epoch=1.ckpt").mkdir(parents=True))  # Lightning's
+    assert not usable(lambda run: (run / "metrics.jsonl").write_text("not jdp's\n"))
