@@ -720,8 +720,35 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Derived:
 
 
 def save_config(cfg: Config, run_dir: str | Path) -> Path:
-    """Write the resolved config as YAML into the run directory (loadable again with load_config)."""
+    """Write the resolved config as YAML into the run directory (loadable again with load_config), its local paths
+    absolute (absolute_paths: `jdp generate` and `jdp export` read it from any directory)."""
     path = RunDir(run_dir).config
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(json.loads(json.dumps(cfg.to_dict())), sort_keys=False))
+    path.write_text(yaml.safe_dump(absolute_paths(json.loads(json.dumps(cfg.to_dict()))), sort_keys=False))
     return path
+
+
+# The keys that may name a local file or directory (data.sources' entries' `source` too)
+LOCAL_PATHS = ("data.source", "data.tokenizer", "data.chat_template", "data.cache_dir", "train.init_from",
+               "train.init_adapter")  # fmt: skip
+
+
+def absolute_paths(values: dict) -> dict:
+    """A config's plain data (Config.to_dict) with each LOCAL_PATHS value that names a path existing here (a glob:
+    one that matches) made absolute, `~` expanded; a hub name, "byte", "stdlib" or a missing path stays as given."""
+    from glob import glob, has_magic
+    from os.path import abspath, exists, expanduser
+
+    def absolute(value):
+        if not isinstance(value, str) or value in ("", "byte", "stdlib"):
+            return value
+        path = expanduser(value)
+        return abspath(path) if (glob(path) if has_magic(path) else exists(path)) else value
+
+    out = {section: dict(keys) for section, keys in values.items()}
+    for name in LOCAL_PATHS:
+        section, key = name.split(".")
+        out[section][key] = absolute(out[section][key])
+    out["data"]["sources"] = [{**e, "source": absolute(e["source"])} if isinstance(e, dict) and "source" in e else e
+                              for e in out["data"]["sources"]]  # fmt: skip
+    return out

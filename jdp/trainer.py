@@ -47,7 +47,7 @@ from jdp.checkpoint import (
     saved_layout,
     saved_sync,
 )
-from jdp.config import Config, ConfigError, Derived, save_config, validate
+from jdp.config import Config, ConfigError, Derived, absolute_paths, save_config, validate
 from jdp.data.corpus import cache_root
 from jdp.data.dataset import Source, source_for
 from jdp.job.coordination import (
@@ -300,9 +300,10 @@ class Trainer:
         self.announce(resumed_from)
         if is_main:
             save_config(cfg, run_dir.path)
-        metrics = MetricsLog(run_dir.metrics, enabled=is_main, tensorboard=t.tensorboard,
-                             wandb_project=t.wandb_project, config=cfg.to_dict(), resume_step=resumed_from,
-                             missing_steps=missing)  # fmt: skip
+        with phases("opening the metrics log"):  # tensorboardX (and torch, which it imports) take seconds here
+            metrics = MetricsLog(run_dir.metrics, enabled=is_main, tensorboard=t.tensorboard,
+                                 wandb_project=t.wandb_project, config=cfg.to_dict(), resume_step=resumed_from,
+                                 missing_steps=missing)  # fmt: skip
         meter = StepMeter(cfg, derived.tokens_per_step, peak, data.epoch, self.flops_per_unit(), data.stats)
         record = steps.recorder(cfg, data.state, data_print)
         callbacks = [ReplicaCheck(t.check_replicas_every)]
@@ -544,7 +545,8 @@ def completed_step(run_dir: RunDir, cfg: Config) -> int:
         return -1
     if not isinstance(summary, dict) or summary.get("steps") != steps[-1] or summary.get("preempted"):
         return -1
-    if not isinstance(saved, dict) or config_differences(saved, json.loads(json.dumps(cfg.to_dict()))):
+    current = json.loads(json.dumps(cfg.to_dict()))  # config.yaml's local paths are absolute (an older one's not)
+    if not isinstance(saved, dict) or all(config_differences(saved, c) for c in (current, absolute_paths(current))):
         return -1
     return steps[-1]
 
