@@ -67,7 +67,8 @@ class HFTokenizer:
             except Exception as e:  # tokenizers raises a bare Exception with the JSON parser's message
                 raise ConfigError(
                     f"data.tokenizer={path}: {file} is not a Hugging Face tokenizer ({e}); give a tokenizer.json "
-                    f"saved by `tokenizers` or `transformers` (or its directory), or data.tokenizer=byte"
+                    f"saved by `tokenizers` or `transformers` (or its directory), or data.tokenizer=byte for a model "
+                    f"trained from scratch (not with train.init_from: an imported model reads its own ids)"
                 ) from e
             vocab = self._tok.get_vocab(with_added_tokens=True)
             self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -79,7 +80,8 @@ class HFTokenizer:
                 raise ConfigError(
                     f"data.tokenizer={path}: this directory holds no tokenizer (no tokenizer.json, and none of "
                     f"{', '.join(_SLOW_TOKENIZER_FILES)}; found: {found}); give the directory a tokenizer was saved to "
-                    f"(save_pretrained, `hf download`), its tokenizer.json, or data.tokenizer=byte"
+                    f"(save_pretrained, `hf download`), its tokenizer.json, or data.tokenizer=byte for a model trained "
+                    f"from scratch (not with train.init_from: an imported model reads its own ids)"
                 )
             try:
                 from transformers import AutoTokenizer
