@@ -266,33 +266,47 @@ def test_the_memory_check_counts_the_rounds_parameters_and_momentum(tmp_path):
     assert inside.opt_state < diloco.opt_state
 
 
+def adam_counts(tree) -> set[int]:
+    """The optimizer's step counts (its integer leaves), every group's under DiLoCo."""
+    return {int(v) for x in jax_leaves(tree) if x.dtype.kind == "i" for v in np.asarray(x).ravel()}
+
+
 def test_checkpoints_move_between_every_step_sync_and_diloco(tmp_path, cache):
-    """An every-step (ddp) checkpoint continues under DiLoCo (every group from its parameters and AdamW state), and
-    a DiLoCo checkpoint under ddp (the round's parameters, the groups' AdamW state averaged): the first step after
-    either computes the same loss as staying (that step's loss is the parameters' before its update)."""
+    """An every-step (ddp) checkpoint continues under DiLoCo with 2 or 4 groups (every group from its parameters and
+    AdamW state, the outer momentum from zero), and a DiLoCo checkpoint under ddp (the round's parameters, the groups'
+    AdamW state averaged), each for several steps, outer steps included: the first step after either computes the
+    same loss as staying (that step's loss is the parameters' before its update), the AdamW count goes on from the
+    checkpoint's, and the groups sync at every multiple of H after the switch. (The steps' counts are other tests'
+    here, whose programs the compilation cache then holds.)"""
     import shutil
 
-    diloco = ["parallel.sync=diloco", "parallel.groups=2", "parallel.outer_every=4"]
+    diloco = ["parallel.sync=diloco", "parallel.outer_every=2"]
     train(tiny(tmp_path / "ddp", "train.steps=4", "train.ckpt_every=4"))
-    shutil.copytree(tmp_path / "ddp", tmp_path / "ddp-then-diloco")
+    for g in (2, 4):
+        shutil.copytree(tmp_path / "ddp", tmp_path / f"ddp-then-{g}")
     train(tiny(tmp_path / "ddp", "train.steps=5"))
-    moved = train(tiny(tmp_path / "ddp-then-diloco", "train.steps=5", *diloco))
-    assert moved["state"].inner is not None
-    assert losses(tmp_path / "ddp-then-diloco")[5] == pytest.approx(losses(tmp_path / "ddp")[5], rel=1e-5)
+    for g, steps in ((2, 8), (4, 9)):  # 2 rounds after the switch in each
+        moved = train(tiny(tmp_path / f"ddp-then-{g}", f"train.steps={steps}", f"parallel.groups={g}", *diloco))
+        assert jax_leaves(moved["state"].inner)[0].shape[0] == g and adam_counts(moved["state"].inner) == {steps}
+        after = losses(tmp_path / f"ddp-then-{g}")
+        assert after[5] == pytest.approx(losses(tmp_path / "ddp")[5], rel=1e-5)
+        assert np.isfinite([after[s] for s in range(5, steps + 1)]).all() and after[steps] < after[5]
 
-    train(tiny(tmp_path / "diloco", "train.steps=8", "train.ckpt_every=8", *diloco))
-    shutil.copytree(tmp_path / "diloco", tmp_path / "diloco-then-ddp")
-    train(tiny(tmp_path / "diloco", "train.steps=9", *diloco))
-    back = train(tiny(tmp_path / "diloco-then-ddp", "train.steps=9"))
-    assert back["state"].inner is None
-    assert losses(tmp_path / "diloco-then-ddp")[9] == pytest.approx(losses(tmp_path / "diloco")[9], rel=1e-5)
+    shutil.copytree(tmp_path / "ddp-then-2", tmp_path / "diloco-then-ddp")  # at the end of a round (step 8)
+    train(tiny(tmp_path / "ddp-then-2", "train.steps=10", "parallel.groups=2", *diloco))  # its third round
+    synced = [r["step"] for r in read_metrics(tmp_path / "ddp-then-2" / "metrics.jsonl") if "outer_grad_norm" in r]
+    assert synced == [6, 8, 10]
+    back = train(tiny(tmp_path / "diloco-then-ddp", "train.steps=10"))
+    assert back["state"].inner is None and adam_counts(back["state"].opt_state) == {10}
+    after = losses(tmp_path / "diloco-then-ddp")
+    assert after[9] == pytest.approx(losses(tmp_path / "ddp-then-2")[9], rel=1e-5) and np.isfinite(after[10])
 
 
 def test_the_groups_optimizer_state_moves_between_strategies(tmp_path, cache):
     """A DiLoCo checkpoint taken mid-round with ddp inside the groups continues with zero1 inside (each group's AdamW
     state moved to zero1's slices), then fsdp (parameters and state in padded rows: the embedding's 257 rows to 258)
     and back to ddp, losses as staying to float32 rounding; an every-step ddp checkpoint continues under DiLoCo with
-    zero1 inside. (No decay: the schedule does not depend on train.steps.)"""
+    zero1 inside, through its first sync. (No decay: the schedule does not depend on train.steps.)"""
     import shutil
 
     flat = ["optim.min_lr_ratio=1.0", "optim.warmup_steps=0"]
@@ -313,8 +327,11 @@ def test_the_groups_optimizer_state_moves_between_strategies(tmp_path, cache):
     train(tiny(tmp_path / "every", "train.steps=4", "train.ckpt_every=4", *flat))
     shutil.copytree(tmp_path / "every", tmp_path / "every-then-zero1")
     train(tiny(tmp_path / "every", "train.steps=5", *flat))
-    train(tiny(tmp_path / "every-then-zero1", "train.steps=5", "parallel.strategy=zero1", *diloco))
+    moved = train(tiny(tmp_path / "every-then-zero1", "train.steps=8", "parallel.strategy=zero1", *diloco))
     assert losses(tmp_path / "every-then-zero1")[5] == pytest.approx(losses(tmp_path / "every")[5], rel=1e-5)
+    assert adam_counts(moved["state"].inner) == {8}  # each group's zero1 slices of the ddp state, through a sync
+    records = read_metrics(tmp_path / "every-then-zero1" / "metrics.jsonl")
+    assert [r["step"] for r in records if "outer_grad_norm" in r] == [8]
 
 
 def test_a_checkpoint_of_other_groups_continues_from_the_round(tmp_path, cache):
