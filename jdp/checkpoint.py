@@ -544,6 +544,8 @@ class Checkpoints:
             items["inner"] = ocp.args.StandardRestore(abstract(_inner(inner)))
         restored = self.manager.restore(step, args=ocp.args.Composite(**items, record=ocp.args.JsonRestore()))
         state = dataclasses.replace(state_like, **restored["state"])
+        if inner is None and getattr(state_like, "inner", None) is not None:  # an every-step checkpoint for DiLoCo:
+            state = dataclasses.replace(state, inner=None)  # not today's fresh groups (diloco.converted makes them)
         verify(_checksummed(state), record)
         state = dataclasses.replace(state, rest=_refrozen(state.rest, state_like.rest))
         if read_comm:
