@@ -164,6 +164,11 @@ class Trainer:
     def check(self, mesh: jax.sharding.Mesh) -> Derived:
         """Everything about the config alone that can be wrong, checked before anything is written."""
         derived = validate(self.cfg, mesh.devices.size, jax.process_count())
+        if dict(mesh.shape).get("group") == 1:  # DiLoCo with one group: said, not silently run (issue 65)
+            why = "parallel.groups=1" if self.cfg.parallel.groups else "a group per host, and this job has one host"
+            log.warning(f"parallel.sync={self.cfg.parallel.sync} with one group ({why}): no other group to agree with; "
+                        f"each outer step applies the outer optimizer to this group's own progress. For groups of "
+                        f"this host's devices set parallel.groups=N")  # fmt: skip
         if given := os.environ.get(CPU_PEAK_ENV):
             cpu_peak_given(given)  # a bad value is refused here, before anything is written
         return dataclasses.replace(derived, tokens_per_step=self.cfg.train.batch_size, unit=self.unit)

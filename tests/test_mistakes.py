@@ -141,3 +141,15 @@ def test_processes_given_different_configs_are_named_at_start_up(tmp_path, spawn
     assert "the processes of this job resolved different configs: process 1 has optim.lr=0.001, process 0 " \
            "optim.lr=0.0003" in said, said[-3000:]  # fmt: skip
     assert "compil" not in results[0][1].lower()
+
+
+def test_diloco_with_one_group_says_so(capfd):
+    """DiLoCo on one host (a group per host) or parallel.groups=1 ran without a word: there is no group to agree with."""
+    from jdp import parallel
+    from jdp.config import load_config
+    from jdp.lm import LanguageModel
+
+    cfg = load_config("tiny", ["parallel.sync=diloco", "parallel.groups=1", "train.run_dir=x"])
+    LanguageModel(cfg).check(parallel.mesh_for(cfg.parallel))
+    said = capfd.readouterr().err
+    assert "parallel.sync=diloco with one group (parallel.groups=1): no other group to agree with" in said, said
