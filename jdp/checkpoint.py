@@ -22,7 +22,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from jdp import adapters
-from jdp.config import Config, ConfigError
+from jdp.config import Config, ConfigError, absolute_paths
 from jdp.log import logger
 from jdp.rundir import RunDir
 
@@ -84,8 +84,10 @@ RESUMABLE_CHANGES = {
 
 
 def config_differences(saved: dict, current: dict) -> list[str]:
-    """`section.key: saved -> current` for every value that differs and may not change on resume."""
+    """`section.key: saved -> current` for every value that differs and may not change on resume. Local paths are
+    compared absolute (config.yaml keeps them so, a checkpoint's record as given: `tok` and `/here/tok` agree)."""
     out, defaults = [], dataclasses.asdict(Config())  # every key's default (to_dict keeps one family's model keys)
+    saved, current = absolute_paths(saved), absolute_paths(current)
     for section, values in current.items():
         for key, value in values.items():
             name = f"{section}.{key}"
@@ -313,10 +315,13 @@ def check_writable(where: Path) -> None:
     """A file can be made and removed in `where` (each process its own name), or a ConfigError before any compute:
     a read-only or full checkpoints directory would otherwise fail the first save, after the first steps."""
     probe = where / f".jdp-write-check-{socket.gethostname()}-{os.getpid()}"
+    made = [p for p in (where, *where.parents) if not p.exists()]  # removed again: the check leaves nothing
     try:
         where.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"jdp")
         probe.unlink()
+        for p in made:
+            p.rmdir()
     except OSError as e:
         raise ConfigError(f"{where}: cannot write there ({e.strerror or e}); checkpoints go there: "
                           f"{_fix_for(e.errno, where)}") from None  # fmt: skip

@@ -128,19 +128,21 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def exit_despite_threads(code: int, grace_s: float = 10.0) -> None:
-    """After a failed run, end the process even where a library's threads would hold it at exit forever (orbax's
-    wait for the signals of a save that failed: a read-only or full disk hung `jdp train` after its error)."""
-    import time
+    """After a failed run, make sure the process ends: Python's exit joins every non-daemon thread, and a library's
+    may never end (orbax's wait for the signals of a save that failed: a read-only or full disk hung `jdp train`
+    after its error). A daemon timer ends the process `grace_s` later if the exit has not (the normal exit, with
+    its atexit handlers and the executors' shutdown, is not cut short when it takes less)."""
 
-    deadline = time.monotonic() + grace_s
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join(max(0.0, deadline - time.monotonic()))
-    if stuck := [t.name for t in threading.enumerate() if t.is_alive() and not t.daemon and t is not threading.main_thread()]:
+    def end() -> None:
+        stuck = [t.name for t in threading.enumerate() if t.is_alive() and not t.daemon and t is not threading.main_thread()]
         log.warning(f"{len(stuck)} thread(s) still running {grace_s:g} s after the error ({', '.join(stuck[:3])}); "
                     f"exiting without them")  # fmt: skip
         logging.shutdown()
         os._exit(code)
+
+    timer = threading.Timer(grace_s, end)
+    timer.daemon = True
+    timer.start()
 
 
 def _allreduce(args: argparse.Namespace) -> int:

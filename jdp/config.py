@@ -745,10 +745,12 @@ def absolute_paths(values: dict) -> dict:
         path = expanduser(value)
         return abspath(path) if (glob(path) if has_magic(path) else exists(path)) else value
 
-    out = {section: dict(keys) for section, keys in values.items()}
-    for name in LOCAL_PATHS:
+    out = {section: dict(keys) if isinstance(keys, dict) else keys for section, keys in values.items()}
+    for name in LOCAL_PATHS:  # (a checkpoint's record of an older jdp may lack a key)
         section, key = name.split(".")
-        out[section][key] = absolute(out[section][key])
-    out["data"]["sources"] = [{**e, "source": absolute(e["source"])} if isinstance(e, dict) and "source" in e else e
-                              for e in out["data"]["sources"]]  # fmt: skip
+        if isinstance(out.get(section), dict) and key in out[section]:
+            out[section][key] = absolute(out[section][key])
+    if isinstance(out.get("data"), dict) and isinstance(out["data"].get("sources"), (list, tuple)):
+        out["data"]["sources"] = [{**e, "source": absolute(e["source"])} if isinstance(e, dict) and "source" in e
+                                  else e for e in out["data"]["sources"]]  # fmt: skip
     return out

@@ -119,13 +119,17 @@ class Loop:
         # (job/process.py) only now, with no moment without a handler: the replica check at step 0 is start-up.
         every, lag = sync.get(run.cfg.parallel.sync).apart(run.cfg.parallel)  # how far the groups may run apart
         stop = StopAgreement(run.handle_signals, every, lag)
-        # On a terminal a progress bar; into a file or a pipe (a log), a plain line per logged step instead of the
-        # bar's carriage returns, which make one endless line of a log file
-        self.lines = self.is_main and t.progress and not sys.stderr.isatty()
-        self.bar = tqdm(total=t.steps, initial=run.start, disable=not (self.is_main and t.progress) or self.lines,
-                        unit="step", dynamic_ncols=True, mininterval=1.0)  # fmt: skip
-        self.loader = Prefetcher(lambda i: (run.data.local_batch(i), run.data.position()), run.start, t.steps,
-                                 run.cfg.data.prefetch)  # fmt: skip
+        try:  # (its handlers given back if what follows fails)
+            # On a terminal a progress bar; into a file or a pipe (a log), a plain line per logged step instead of
+            # the bar's carriage returns, which make one endless line of a log file
+            self.lines = self.is_main and t.progress and not sys.stderr.isatty()
+            self.bar = tqdm(total=t.steps, initial=run.start, disable=not (self.is_main and t.progress) or self.lines,
+                            unit="step", dynamic_ncols=True, mininterval=1.0)  # fmt: skip
+            self.loader = Prefetcher(lambda i: (run.data.local_batch(i), run.data.position()), run.start, t.steps,
+                                     run.cfg.data.prefetch)  # fmt: skip
+        except BaseException:
+            stop.close()
+            raise
         run.phases.watchdog = Watchdog(t.step_timeout_s)
         loop_start = time.time()
         try:

@@ -105,17 +105,17 @@ def _label(run_dir: Path, all_dirs: list[Path]) -> str:
     return str(run_dir) if names.count(name) > 1 else name
 
 
-FORMATS = ("png", "svg", "pdf", "jpg", "jpeg", "webp", "eps", "ps", "tif", "tiff", "gif")  # matplotlib writes these
-
-
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else RunDir(args.run_dirs[0]).plot
     if out.is_dir():
         out = out / "plot.png"  # -o DIR: a file in it (matplotlib would write DIR.png and the message say DIR)
     elif not out.suffix:
         out = out.with_suffix(".png")  # what matplotlib writes for a name without one: say so
-    if out.suffix.lower().lstrip(".") not in FORMATS:
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    if out.suffix.lower().lstrip(".") not in formats:
         raise ConfigError(f"-o {args.out}: matplotlib cannot write .{out.suffix.lstrip('.')} files; name a .png (or "
-                          f"{', '.join(f'.{x}' for x in FORMATS if x != 'png')})")  # fmt: skip
+                          f"{', '.join(f'.{x}' for x in formats if x != 'png')})")  # fmt: skip
     print(f"jdp plot: wrote {plot(args.run_dirs, out)}")
     return 0

@@ -105,7 +105,7 @@ class RunDir:
             return True
         if self.checkpoints.is_dir() and not self.checkpoints.is_symlink():
             names = [p.name for p in self.checkpoints.iterdir()]
-            if not names or any(name[:1].isdigit() for name in names):
+            if not names or any(name[:1].isdigit() or name.startswith(".jdp-") for name in names):  # (.jdp-: a probe)
                 return True
         return _jdp_config(self.config) or _jdp_metrics(self.metrics)
 

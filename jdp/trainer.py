@@ -36,6 +36,7 @@ from jdp.checkpoint import (
     check_data,
     check_param_shapes,
     check_resumable,
+    check_writable,
     config_differences,
     data_changes,
     load,
@@ -47,7 +48,7 @@ from jdp.checkpoint import (
     saved_layout,
     saved_sync,
 )
-from jdp.config import Config, ConfigError, Derived, absolute_paths, save_config, validate
+from jdp.config import Config, ConfigError, Derived, save_config, validate
 from jdp.data.corpus import cache_root
 from jdp.data.dataset import Source, source_for
 from jdp.job.coordination import (
@@ -164,11 +165,8 @@ class Trainer:
     def check(self, mesh: jax.sharding.Mesh) -> Derived:
         """Everything about the config alone that can be wrong, checked before anything is written."""
         derived = validate(self.cfg, mesh.devices.size, jax.process_count())
-        if dict(mesh.shape).get("group") == 1:  # DiLoCo with one group: said, not silently run (issue 65)
-            why = "parallel.groups=1" if self.cfg.parallel.groups else "a group per host, and this job has one host"
-            log.warning(f"parallel.sync={self.cfg.parallel.sync} with one group ({why}): no other group to agree with; "
-                        f"each outer step applies the outer optimizer to this group's own progress. For groups of "
-                        f"this host's devices set parallel.groups=N")  # fmt: skip
+        for note in sync.get(self.cfg.parallel.sync).notes(self.cfg.parallel, dict(mesh.shape).get("group", 1)):
+            log.warning(note)  # (DiLoCo with one group: said, not silently run)
         if given := os.environ.get(CPU_PEAK_ENV):
             cpu_peak_given(given)  # a bad value is refused here, before anything is written
         return dataclasses.replace(derived, tokens_per_step=self.cfg.train.batch_size, unit=self.unit)
@@ -222,7 +220,10 @@ class Trainer:
         phases, run_dir = Phases(), RunDir(cfg.train.run_dir)
         lock, peers = RunLock(run_dir), PeerMonitor()
         created = run_dir.missing_dirs() if jax.process_index() == 0 else []  # removed again if the run never starts
-        interrupts = self.startup_interrupts(phases, lambda: (lock.release(), RunDir.remove_if_empty(created)))
+        # what a Ctrl-C before the loop leaves behind: the lock, the directories it made, and its peers told at once
+        # (the command's watch thread ends the process itself, past the `except KeyboardInterrupt` below)
+        interrupts = self.startup_interrupts(phases, lambda: (lock.release(), RunDir.remove_if_empty(created),
+                                                              announce_departure("was interrupted")))  # fmt: skip
         try:
             with interrupts:
                 run_dir.check_contained()
@@ -474,7 +475,8 @@ def build_steps(model, loss_fn, optimizer, mesh, cfg: Config, schedule=None, com
 
 _STAMPED = re.compile(r"runs/.+-\d{8}-\d{6}")  # a run directory load_config named by the time (no train.run_dir)
 # What each process may set for itself: how it shows progress, where node 0 listens, its own data workers and cache.
-PER_PROCESS = ("train.progress", "parallel.coordinator_bind", "data.num_proc", "data.prefetch", "train.compile_cache")
+PER_PROCESS = ("train.progress", "parallel.coordinator_bind", "data.num_proc", "data.prefetch", "train.compile_cache",
+               "data.cache_dir", "parallel.init_timeout_s", "parallel.heartbeat_timeout_s")
 
 
 def same_config(cfg: Config) -> Config:
@@ -518,7 +520,9 @@ def hold(lock: RunLock, run_dir: RunDir, cfg: Config) -> int | None:
             complete = -1 if problem else completed_step(run_dir, cfg)
             if not problem and complete < 0:
                 problem = past_the_end(run_dir, cfg)
-        except RunDirInUse as e:
+            if not problem and complete < 0:
+                check_writable(run_dir.checkpoints)  # before the data and the compile: the first save would fail
+        except (RunDirInUse, ConfigError) as e:
             problem = str(e)
         except OSError as e:  # cannot create the directory or the lock: read-only, no permission, a file on the way
             why = e.strerror or type(e).__name__
@@ -550,8 +554,8 @@ def completed_step(run_dir: RunDir, cfg: Config) -> int:
         return -1
     if not isinstance(summary, dict) or summary.get("steps") != steps[-1] or summary.get("preempted"):
         return -1
-    current = json.loads(json.dumps(cfg.to_dict()))  # config.yaml's local paths are absolute (an older one's not)
-    if not isinstance(saved, dict) or all(config_differences(saved, c) for c in (current, absolute_paths(current))):
+    current = json.loads(json.dumps(cfg.to_dict()))  # (local paths compared absolute: config_differences)
+    if not isinstance(saved, dict) or config_differences(saved, current):
         return -1
     return steps[-1]
 

@@ -64,10 +64,10 @@ def test_jax_platforms_naming_a_platform_this_jaxlib_lacks_is_one_line(tmp_path)
 
 
 @pytest.fixture
-def read_only_dir(tmp_path):
-    """A directory nobody can write into, root included (a read-only bind mount; chmod where not root)."""
-    where = tmp_path / "ro"
-    where.mkdir()
+def read_only_checkpoints(tmp_path):
+    """RUN/checkpoints that nobody can write into, root included (a read-only bind mount; chmod where not root)."""
+    where = tmp_path / "run" / "checkpoints"
+    where.mkdir(parents=True)
     if os.geteuid() != 0:
         where.chmod(0o555)
         yield where
@@ -83,12 +83,17 @@ def read_only_dir(tmp_path):
         subprocess.run(["umount", where], check=True)
 
 
-def test_a_read_only_checkpoints_directory_is_refused_before_any_step(read_only_dir):
-    """Was: the first save failed (SaveFailed ... "free some space"), then orbax's threads held the process forever."""
-    with pytest.raises(ConfigError) as refused:
-        Checkpoints(read_only_dir, keep=1)
-    assert "cannot write there" in str(refused.value) and "writable" in str(refused.value), refused.value
-    assert "free some space" not in str(refused.value)
+def test_a_read_only_checkpoints_directory_is_refused_before_any_step(read_only_checkpoints, capfd):
+    """Was: the first save failed (SaveFailed ... "free some space"), then orbax's threads held the process forever.
+    Now `jdp train` refuses it with the run directory (before the data and the compile), as the library's
+    Checkpoints does."""
+    code = main(["train", "tiny", f"train.run_dir={read_only_checkpoints.parent}"])
+    out, err = capfd.readouterr()
+    assert code == 2 and err.count("error:") == 1 and "Traceback" not in err, err
+    assert f"{read_only_checkpoints}: cannot write there" in err and "writable" in err and "free some space" not in err
+    assert "data " not in out and "starting at step" not in out  # refused before the data was read
+    with pytest.raises(ConfigError, match="cannot write there"):
+        Checkpoints(read_only_checkpoints.parent, keep=1)
 
 
 STUCK = """
@@ -101,8 +106,9 @@ print("returned")
 
 
 def test_threads_that_would_hold_a_failed_run_at_exit_do_not():
+    """The exit is cut short only when it hangs: the command returns, and the process ends at the grace's end."""
     out = subprocess.run([sys.executable, "-c", STUCK], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 1 and "returned" not in out.stdout, out
+    assert out.returncode == 1 and "returned" in out.stdout, out
     assert "1 thread(s) still running 0.5 s after the error (orbax-like); exiting without them" in out.stderr
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import yaml
 
+from jdp.checkpoint import config_differences
 from jdp.config import load_config, save_config
 from jdp.data.tokens import load_tokenizer
 from jdp.rundir import RunDir
@@ -36,6 +37,9 @@ def test_relative_paths_are_saved_absolute_and_the_run_is_still_complete(tmp_pat
     (work / "run" / "summary.json").write_text(json.dumps({"steps": 2}))
     assert completed_step(RunDir("run"), cfg) == 2  # run again: nothing to do, nothing changed
     assert completed_step(RunDir("run"), load_config("tiny", [*overrides, "optim.lr=0.1"])) == -1
+    # resumed as `jdp train run/config.yaml`: its absolute paths and the checkpoint record's relative ones agree
+    record, again = (json.loads(json.dumps(c.to_dict())) for c in (cfg, load_config(work / "run" / "config.yaml")))
+    assert again["data"]["tokenizer"] == str(work / "tok") and config_differences(record, again) == []
     monkeypatch.chdir(tmp_path)  # another directory: the run's config still names its tokenizer
     assert load_tokenizer(load_config(work / "run" / "config.yaml").data.tokenizer).vocab_size == 320
     (work / "run" / "config.yaml").write_text(yaml.safe_dump(json.loads(json.dumps(cfg.to_dict()))))  # an older one

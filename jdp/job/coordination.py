@@ -276,6 +276,8 @@ class StopAgreement:
             except BaseException:
                 self.close()
                 raise
+            if guard.count and self._pending is None:  # a SIGINT between the two installs: its wakeup byte came
+                self._pending = signal.SIGINT  # here (the watch said it), the start-up's handler counted it
 
     def _handler(self, sig, frame) -> None:
         """In the main thread, when it next runs Python: the stop is proposed before the next step (the watch

@@ -49,6 +49,16 @@ class Sync:
             f"{parallel.outer_lr:g}{momentum}), pseudo-gradients as {parallel.outer_dtype}{streamed}"
         )
 
+    def notes(self, parallel: Any, groups: int) -> list[str]:
+        """What start-up says about running it as `parallel` with `groups` groups: one group runs (an elastic job may
+        be left with one) but has no other group to agree with."""
+        if "groups" not in self.options or groups != 1:
+            return []
+        why = "parallel.groups=1" if parallel.groups else "a group per host, and this job has one host"
+        return [f"parallel.sync={self.name} with one group ({why}): no other group to agree with; each outer step "
+                f"applies the outer optimizer to this group's own progress. For groups of this host's devices set "
+                f"parallel.groups=N"]  # fmt: skip
+
     def extra_bytes(self, parallel: Any, params: int) -> tuple[int, int]:
         """(parameter, optimizer state) bytes one device holds beyond its strategy's, whose are then each group's:
         DiLoCo's round parameters and its outer momentum buffers (float32 parameters: as many bytes again each)."""
