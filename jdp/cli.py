@@ -122,13 +122,13 @@ def _train(args: argparse.Namespace) -> int:
         code = 1 if isinstance(e, RunError) else 2
         if world.num_processes > 1:
             leave_job(code)  # not through JAX's shutdown barrier, where peers that are gone would be awaited
-        exit_despite_threads(code)
         return code
     return 0
 
 
 def exit_despite_threads(code: int, grace_s: float = 10.0) -> None:
-    """After a failed run, make sure the process ends: Python's exit joins every non-daemon thread, and a library's
+    """After a failed command (the process's own: `jdp ...`, not main() called from Python), make sure the process
+    ends: Python's exit joins every non-daemon thread, and a library's
     may never end (orbax's wait for the signals of a save that failed: a read-only or full disk hung `jdp train`
     after its error). A daemon timer ends the process `grace_s` later if the exit has not (the normal exit, with
     its atexit handlers and the executors' shutdown, is not cut short when it takes less)."""
@@ -361,6 +361,16 @@ def interrupt_in(error: BaseException) -> KeyboardInterrupt | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `jdp` command: its exit code. Run as the process's command (argv None: `jdp ...`, `python -m jdp.cli`),
+    a failure's exit is not held by a library's threads (exit_despite_threads); called from Python with argv, the
+    process is the caller's and is left alone."""
+    code = _command(argv)
+    if argv is None and code:
+        exit_despite_threads(code)
+    return code
+
+
+def _command(argv: list[str] | None) -> int:
     from jdp.job.process import INTERRUPTED_EXIT, StartupInterrupts, flush_every_line, tolerate_broken_pipes
 
     flush_every_line()  # each line reaches a file when printed, even if the process is then killed
