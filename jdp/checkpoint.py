@@ -311,11 +311,12 @@ def _fix_for(code: int | None, where: Path) -> str:
     return "fix the cause named above"
 
 
-def check_writable(where: Path) -> None:
+def check_writable(where: Path, tidy: bool = True) -> None:
     """A file can be made and removed in `where` (each process its own name), or a ConfigError before any compute:
     a read-only or full checkpoints directory would otherwise fail the first save, after the first steps."""
     probe = where / f".jdp-write-check-{socket.gethostname()}-{os.getpid()}"
-    made = [p for p in (where, *where.parents) if not p.exists()]  # removed again: the check leaves nothing
+    # tidy: the directories made for the check removed again (only where no other process may be using them)
+    made = [p for p in (where, *where.parents) if not p.exists()] if tidy else []
     try:
         where.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"jdp")
@@ -345,7 +346,7 @@ class Checkpoints:
         self.writing: int | None = None  # the step whose asynchronous save may still be running, or may have failed
         if not read_only:
             _quiet_failed_saves()
-            check_writable(self.dir)
+            check_writable(self.dir, tidy=False)  # (orbax makes it anyway; other processes may be probing it)
         with _quiet_read_only_warnings(read_only):  # orbax warns while building the options, not the manager
             if read_only:
                 options = ocp.CheckpointManagerOptions(
