@@ -638,8 +638,9 @@ def unread_problems(cfg: Config) -> list[str]:
             value, default = getattr(getattr(cfg, part), field_), getattr(_SECTION_TYPES[part](), field_)
             if value != default:
                 read_by = " or ".join(f"{switch}={_shown(r)}" for r in readers)
-                out.append(f"{name}={_shown(value)} is read by {read_by} only, not {_shown(now)}: leave it out, or set "
-                           f"{switch}={_shown(readers[0])}")  # fmt: skip
+                # (a config file's value is left out by giving the default on the command line)
+                out.append(f"{name}={_shown(value)} is read by {read_by} only, not {_shown(now)}: leave it out (its "
+                           f"default: {_shown(default)}), or set {switch}={_shown(readers[0])}")  # fmt: skip
     return out
 
 
