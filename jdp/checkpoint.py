@@ -328,6 +328,33 @@ def check_writable(where: Path, tidy: bool = True) -> None:
                           f"{_fix_for(e.errno, where)}") from None  # fmt: skip
 
 
+REPLICA_PARALLEL_MIN_BYTES = 1 << 20
+
+
+def _small_arrays_from_one_replica() -> None:
+    """Orbax saves a replicated array "replica-parallel" by default on CPU and TPU: each replica writes a slice,
+    cut by a compiled slice op per array. For an array under REPLICA_PARALLEL_MIN_BYTES a slice costs more than it
+    saves: one replica writes it whole (the same bytes on disk; a 123k-parameter model's save took half as long,
+    0.6 s instead of 1.2 s, on a 2-core CPU). Larger arrays keep orbax's default. Orbax's handler registry is global:
+    this sets its jax.Array handler for the whole process (saves only: restores read the same files either way)."""
+    import inspect
+
+    handler = ocp.type_handlers.ArrayHandler
+    if getattr(ocp.type_handlers.get_type_handler(jax.Array), "_min_slice_bytes_for_replica_parallel", None):
+        return  # set already (the registry logs a warning at every override)
+    if "min_slice_bytes_for_replica_parallel" not in inspect.signature(handler.__init__).parameters:
+        return  # an orbax without the setting
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # "Type handler registry type ... overriding jax.Array": the override is the point
+    try:
+        ocp.type_handlers.register_type_handler(
+            jax.Array, handler(min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_BYTES), override=True
+        )
+    finally:
+        absl.setLevel(level)
+
+
 class Checkpoints:
     """The run's checkpoints under RUN_DIR/checkpoints/STEP: train state + a JSON record (step, data, config).
 
@@ -346,6 +373,7 @@ class Checkpoints:
         self.writing: int | None = None  # the step whose asynchronous save may still be running, or may have failed
         if not read_only:
             _quiet_failed_saves()
+            _small_arrays_from_one_replica()
             check_writable(self.dir, tidy=False)  # (orbax makes it anyway; other processes may be probing it)
         with _quiet_read_only_warnings(read_only):  # orbax warns while building the options, not the manager
             if read_only:
