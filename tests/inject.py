@@ -9,7 +9,10 @@ config. The faults, each off unless its variable is set:
 - JDP_TEST_TERM=STEP:save: SIGTERM process 0 just after it starts the save at STEP;
 - JDP_TEST_DIVERGE=STEP: perturb the last device's replica before the replica check at STEP; STEP:end: at the end
   of that step (DiLoCo: the round's parameters between syncs, which the next sync's check finds);
-- JDP_TEST_STALL=STEP:PROCESS: that process stops before that step;
+- JDP_TEST_STALL=STEP:PROCESS: that process stops before that step; the others come to it half a
+  train.step_timeout_s later, their watchdog paused meanwhile (as for an evaluation), so the stalled process's
+  watchdog is the first to fire and its stack is printed (when both fired in the same second, the other's exit could
+  take the coordination service down with the stalled process before it printed anything);
 - JDP_TEST_KILL_ONCE=STEP:PROCESS:FILE: SIGKILL that process after that step, once the newest checkpoint before it
   is on disk (complete), unless FILE exists (it makes FILE first): a restarted job passes the step;
 - JDP_TEST_FAIL=STEP:WHERE:PROCESS: that process raises an error at step STEP where it logs the step's metrics
@@ -54,6 +57,9 @@ class Faults(jdp.Callback):
     def on_batch(self, loop, step: int, local: dict) -> dict:
         if self.stall == f"{step}:{jax.process_index()}":
             time.sleep(10**6)  # a process that stops making progress
+        if self.stall.startswith(f"{step}:"):  # the others: later to the step it never reaches
+            with loop.phases(f"waiting before step {step}", pause_watchdog=True):
+                time.sleep(loop.run.cfg.train.step_timeout_s / 2)
         if step in self.nan_steps:
             return {**local, "weights": local["weights"] * np.float32("nan")}
         return local
