@@ -1,4 +1,5 @@
-"""PyTorch's own torchrun starting `jdp train`: one node, two nodes (c10d rendezvous), restarts that resume.
+"""PyTorch's own torchrun starting `jdp train`: one node (with a restart that resumes), two nodes (c10d rendezvous,
+DiLoCo), each against the same run under `jdp launch`, started beside it.
 
 torchrun's agent holds MASTER_PORT for its own store; jdp's coordination service takes MASTER_PORT + 1 there
 (jdp/job/world.py). These tests run where torch is installed (CI: the oldest stack, torch 2.13.0 from this machine's
@@ -72,80 +73,16 @@ def assert_same_training(a, b, rel=1e-5):
                 assert abs(ra[key] - mb[step][key]) <= rel * abs(ra[key]), (step, key, ra, mb[step])
 
 
-@pytest.fixture(scope="module")
-def launched_2x2(env, tmp_path_factory):
-    """The reference: `jdp launch` with the same two processes x two devices."""
-    d = tmp_path_factory.mktemp("launch-2x2")
-    argv = [str(BIN / "jdp"), "launch", "--nproc-per-node", "2", "--devices-per-proc", "2", "--"]
-    out = run([*argv, *TRAIN, f"train.run_dir={d}"], env)
-    assert out.returncode == 0, out.stderr[-4000:]
-    return d
-
-
-@pytest.fixture(scope="module")
-def torchrun_2x2(env, tmp_path_factory):
-    """`torchrun --nproc-per-node 2 -m jdp.cli train ...`, as a DDP user types it."""
-    d, master_port = tmp_path_factory.mktemp("torchrun-2x2"), free_port()
-    argv = [str(TORCHRUN), "--nproc-per-node", "2", "--master-port", str(master_port), "-m", "jdp.cli"]
-    out = run([*argv, *TRAIN, f"train.run_dir={d}"], env)
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert "process 0 of 2" in out.stdout and "(from torchrun variables" in out.stdout
-    return d, out, master_port
-
-
-def test_torchrun_on_one_node_trains_like_jdp_launch(torchrun_2x2, launched_2x2):
-    d, out, master_port = torchrun_2x2
-    # jdp's coordination service is on MASTER_PORT + 1, not on the port torchrun's own store holds.
-    assert f"coordination service listens on 127.0.0.1:{master_port + 1} " in out.stdout, out.stdout[:2000]
-    assert summary(d)["devices"] == 4 and summary(d)["steps"] == 12
-    assert_same_training(launched_2x2, d)
-    assert losses(launched_2x2) == losses(d)
-
-
-def test_torchrun_on_two_nodes_with_c10d_rendezvous(env, tmp_path, launched_2x2):
-    """Two torchrun agents (one per "node", here both on the loopback) meet at a c10d rendezvous endpoint; the
-    worker is jdp's console script, the `$(which jdp)` form."""
-    d, endpoint = tmp_path / "run", f"127.0.0.1:{free_port()}"
-    agents = [
-        subprocess.Popen(
-            [str(TORCHRUN), "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
-            + ["--rdzv-endpoint", endpoint, "--rdzv-id", "jdp-test", str(BIN / "jdp"), *TRAIN, f"train.run_dir={d}"],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(2)
-    ]
-    try:
-        outs = [a.communicate(timeout=300) for a in agents]
-    finally:
-        for a in agents:
-            if a.poll() is None:
-                kill_tree(a)
-    assert all(a.returncode == 0 for a in agents), [o[1][-3000:] for o in outs]
-    assert sum("process 0 of 2" in o[0] for o in outs) == 1  # one voice, on whichever node got rank 0
-    assert_same_training(launched_2x2, d)
-
-
-def test_torchrun_trains_diloco_as_jdp_launch_does(env, tmp_path):
-    """parallel.sync=diloco under `torchrun --nproc-per-node 2` (a group per process: parallel.groups=2, H=4, fsdp
-    inside each group of 2 devices, on JAX 0.10 in CI): every loss and the round's parameters equal the same run
-    under `jdp launch` bit for bit."""
-    diloco = [*TRAIN, "train.steps=8", "train.eval_every=0", "parallel.sync=diloco", "parallel.groups=2",
-              "parallel.outer_every=4", "parallel.strategy=fsdp"]  # fmt: skip
+def launch(run_dir: Path, argv: list[str], env) -> subprocess.Popen:
+    """The reference: `jdp launch` with the same two processes x two devices, started beside the torchrun run (its
+    output beside run_dir, in NAME.log)."""
     launcher = [str(BIN / "jdp"), "launch", "--nproc-per-node", "2", "--devices-per-proc", "2", "--"]
-    ref = run([*launcher, *diloco, f"train.run_dir={tmp_path / 'launch'}"], env)
-    assert ref.returncode == 0, ref.stderr[-4000:]
-    argv = [str(TORCHRUN), "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "jdp.cli"]
-    out = run([*argv, *diloco, f"train.run_dir={tmp_path / 'torchrun'}"], env)
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert "parallel.sync=diloco: 2 groups, synced every 4 steps" in out.stdout + out.stderr
-    steps = [read_metrics(tmp_path / d / "metrics.jsonl") for d in ("launch", "torchrun")]
-    a, b = ({r["step"]: r["loss"] for r in records if "loss" in r} for records in steps)
-    assert a == b and sorted(b) == list(range(1, 9))
-    assert [r["step"] for r in steps[1] if "outer_grad_norm" in r] == [4, 8]
-    assert summary(tmp_path / "launch")["params_sha256"] == summary(tmp_path / "torchrun")["params_sha256"]
+    log = (run_dir.parent / f"{run_dir.name}.log").open("w")
+    return subprocess.Popen([*launcher, *argv, f"train.run_dir={run_dir}"], env=env, stdout=log, stderr=log)
+
+
+def finish(p: subprocess.Popen, run_dir: Path) -> None:
+    assert p.wait(timeout=600) == 0, (run_dir.parent / f"{run_dir.name}.log").read_text()[-4000:]
 
 
 def kill_tree(p: subprocess.Popen) -> None:
@@ -155,15 +92,17 @@ def kill_tree(p: subprocess.Popen) -> None:
     p.communicate()
 
 
-def test_torchrun_restarts_resume_from_the_last_checkpoint_bit_identically(env, tmp_path, launched_2x2):
-    """--max-restarts 1: a worker killed after the checkpoint at step 4 makes torchrun restart the group, which
-    resumes from that checkpoint and ends with the uninterrupted run's every loss and parameter, bit for bit.
+def test_torchrun_on_one_node_trains_like_jdp_launch_and_restarts_resume_bit_identically(env, tmp_path):
+    """`torchrun --nproc-per-node 2 --max-restarts 1 -m jdp.cli train ...`, as a DDP user types it: jdp reads
+    torchrun's variables (process 0 of 2, 4 devices) and its coordination service is on MASTER_PORT + 1, not on the
+    port torchrun's own store holds. A worker killed after the checkpoint at step 4 makes torchrun restart the group,
+    which resumes from that checkpoint and ends with the uninterrupted `jdp launch` run's every loss, gradient norm,
+    evaluation and parameter, bit for bit (the one-node comparison and the restart, in one run).
 
     The survivor stops within parallel.heartbeat_timeout_s (JAX's heartbeat finds the dead peer) or at torchrun's
     SIGKILL, whichever is first; 10 s here."""
-    reference = launched_2x2
-    d = tmp_path / "run"
-    argv = [str(TORCHRUN), "--nproc-per-node", "2", "--max-restarts", "1", "--master-port", str(free_port())]
+    reference, d, master_port = launch(tmp_path / "launch", TRAIN, env), tmp_path / "run", free_port()
+    argv = [str(TORCHRUN), "--nproc-per-node", "2", "--max-restarts", "1", "--master-port", str(master_port)]
     agent = subprocess.Popen(
         [*argv, "-m", "jdp.cli", *TRAIN, f"train.run_dir={d}", "parallel.heartbeat_timeout_s=10"],
         env=env,
@@ -185,14 +124,57 @@ def test_torchrun_restarts_resume_from_the_last_checkpoint_bit_identically(env, 
         victim.send_signal(signal.SIGKILL)
         killed_after = max(metrics(d), default=0)
         out, err = agent.communicate(timeout=300)
+        finish(reference, tmp_path / "launch")
     finally:
-        if agent.poll() is None:
-            kill_tree(agent)
+        for p in (agent, reference):
+            if p.poll() is None:
+                kill_tree(p)
     assert agent.returncode == 0, err[-4000:]
+    assert "process 0 of 2" in out and "(from torchrun variables" in out, out[:2000]
+    assert f"coordination service listens on 127.0.0.1:{master_port + 1} " in out, out[:2000]
     assert "resuming from the checkpoint at step" in out, out[-3000:]
     assert max(metrics(d)) == 12 and (d / "metrics.superseded.jsonl").exists() is (killed_after > 4)
-    assert summary(d)["params_sha256"] == summary(reference)["params_sha256"]
-    assert losses(d) == losses(reference)
+    assert summary(d)["devices"] == 4 and summary(d)["steps"] == 12
+    assert summary(d)["params_sha256"] == summary(tmp_path / "launch")["params_sha256"]
+    assert_same_training(tmp_path / "launch", d)
+    assert losses(d) == losses(tmp_path / "launch")
+
+
+def test_torchrun_on_two_nodes_with_c10d_rendezvous_trains_diloco_as_jdp_launch_does(env, tmp_path):
+    """Two torchrun agents (one per "node", here both on the loopback) meet at a c10d rendezvous endpoint; the
+    worker is jdp's console script, the `$(which jdp)` form. The run is parallel.sync=diloco (a group per process:
+    parallel.groups=2, H=4, fsdp inside each group of 2 devices, on JAX 0.10 in CI): every loss and the round's
+    parameters equal the same run under `jdp launch` bit for bit. (DiLoCo through the other launchers:
+    tests/test_launch.py, test_hosts.py, test_slurm.py.)"""
+    diloco = [*TRAIN, "train.steps=8", "train.eval_every=0", "parallel.sync=diloco", "parallel.groups=2",
+              "parallel.outer_every=4", "parallel.strategy=fsdp"]  # fmt: skip
+    reference, d, endpoint = launch(tmp_path / "launch", diloco, env), tmp_path / "run", f"127.0.0.1:{free_port()}"
+    agents = [
+        subprocess.Popen(
+            [str(TORCHRUN), "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
+            + ["--rdzv-endpoint", endpoint, "--rdzv-id", "jdp-test", str(BIN / "jdp"), *diloco, f"train.run_dir={d}"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        outs = [a.communicate(timeout=600) for a in agents]
+        finish(reference, tmp_path / "launch")
+    finally:
+        for a in [*agents, reference]:
+            if a.poll() is None:
+                kill_tree(a)
+    assert all(a.returncode == 0 for a in agents), [o[1][-3000:] for o in outs]
+    assert sum("process 0 of 2" in o[0] for o in outs) == 1  # one voice, on whichever node got rank 0
+    assert "parallel.sync=diloco: 2 groups, synced every 4 steps" in "".join(o[0] + o[1] for o in outs)
+    steps = [read_metrics(tmp_path / r / "metrics.jsonl") for r in ("launch", "run")]
+    a, b = ({r["step"]: r["loss"] for r in records if "loss" in r} for records in steps)
+    assert a == b and sorted(b) == list(range(1, 9))
+    assert [r["step"] for r in steps[1] if "outer_grad_norm" in r] == [4, 8]
+    assert summary(tmp_path / "launch")["params_sha256"] == summary(d)["params_sha256"]
 
 
 def test_a_taken_coordinator_port_is_one_jdp_error_line_not_a_traceback(env, tmp_path):
