@@ -84,50 +84,63 @@ def killed_at_save_then_resumed(run_dir, env, extra, reference, at=8):
     return resumed
 
 
-@pytest.fixture(scope="module")
-def reference_1x4(env, made_once):
-    """An uninterrupted 12-step run on 1 process x 4 devices, checkpointing every 4 steps (one worker's)."""
-    return made_once("reference-1x4", lambda d: run(d, env, (1, 4), ["train.steps=12", "train.ckpt_every=4"]))
+# conftest's reference_runs("ddp", DDP) is an uninterrupted run of JOB on 1 process x 4 devices, made once a session
+# (test_zero1 and test_fsdp compare with the same one); launched_2x2 is JOB on 2 x 2, shared with test_launch.
+DDP = ["parallel.strategy=ddp"]
+JOB = ["train.steps=8", "train.ckpt_every=4", *DDP]
 
 
-@pytest.mark.parametrize(
-    "layout, kills",
-    [((1, 4), ["10", "8:save"]), ((2, 2), ["8:save"])],
-    ids=["1x4", "2x2"],
-)
-def test_sigkill_then_resume_is_bit_identical(tmp_path, env, layout, kills, request):
-    if layout == (1, 4):
-        ref = request.getfixturevalue("reference_1x4")
-    else:
-        ref = tmp_path / "reference"
-        run(ref, env, layout, ["train.steps=12", "train.ckpt_every=4"])
-    for kill in kills:
-        d = tmp_path / f"killed-{kill.replace(':', '-')}"
-        out = run(d, env, layout, ["train.steps=12", "train.ckpt_every=4"], hooks={"JDP_TEST_KILL": kill}, check=False)
-        assert out.returncode != 0
-        killed_at = int(kill.split(":")[0])
-        steps = ckpt_steps(d)  # the complete ones: an asynchronous save still in flight at the kill is not there
-        assert all(s <= killed_at for s in steps)
-        if kill.endswith(":save"):
-            assert killed_at not in steps  # killed while writing it: never visible as a checkpoint (atomic)
-        resumed = run(d, env, layout, ["train.steps=12", "train.ckpt_every=4"])
-        start = steps[-1] if steps else 0
-        assert (f"resuming from the checkpoint at step {start}" if steps else "starting at step 0") in resumed.stdout
-        assert summary(d)["params_sha256"] == summary(ref)["params_sha256"]  # bit-identical parameters
-        assert losses(d) == losses(ref)  # every step's loss, exactly (the steps after `start` were redone)
-        superseded = read_metrics(d / "metrics.superseded.jsonl")
-        assert superseded and all(r["step"] > start for r in superseded)  # the lost work, kept aside
+def launched_2x2(made_once, env) -> tuple[Path, str]:
+    """JOB as 2 processes x 2 devices through `jdp launch`, uninterrupted, made once a session: (its run directory,
+    its stdout and stderr). test_launch's layout comparison and the 2 x 2 kill below read it."""
+
+    def make(d: Path) -> None:
+        out = run(d / "run", {**env}, (2, 2), JOB)
+        (d / "stdout.txt").write_text(out.stdout)
+        (d / "stderr.txt").write_text(out.stderr)
+
+    d = made_once("launched-2x2", make)
+    return d / "run", (d / "stdout.txt").read_text() + (d / "stderr.txt").read_text()
 
 
-def test_sigterm_saves_at_an_agreed_step_exits_zero_and_resumes_exactly(tmp_path, env, reference_1x4):
-    ref = reference_1x4
-    d = tmp_path / "preempted"
-    # SIGTERM arrives while the asynchronous save of step 4 is being written.
-    out = run(d, env, (1, 4), ["train.steps=12", "train.ckpt_every=4"], hooks={"JDP_TEST_TERM": "4:save"})
-    assert "stopped by a signal after step" in out.stdout
+def test_sigkill_then_resume_is_bit_identical(tmp_path, env, made_once):
+    """2 processes x 2 devices (through `jdp launch`), killed while writing the checkpoint at step 8 and run again:
+    the uninterrupted 2 x 2 run's every loss and its parameters, bit for bit. On 1 x 4: killed after a step,
+    test_streaming_run_killed_and_resumed_reads_the_documents_an_uninterrupted_run_reads; killed while saving,
+    killed_at_save_then_resumed (test_zero1, test_fsdp, test_muon, test_hooks)."""
+    d, (ref, _) = tmp_path / "killed", launched_2x2(made_once, env)
+    out = run(d, env, (2, 2), JOB, hooks={"JDP_TEST_KILL": "8:save"}, check=False)
+    assert out.returncode != 0, out.stderr[-3000:]
+    assert ckpt_steps(d) == [4]  # the complete ones: step 8's, killed while being written, is never seen (atomic)
+    resumed = run(d, {**env}, (2, 2), JOB)
+    assert "resuming from the checkpoint at step 4" in resumed.stdout
+    assert summary(d)["params_sha256"] == summary(ref)["params_sha256"]  # bit-identical parameters
+    assert losses(d) == losses(ref)  # every step's loss, exactly (the steps after 4 were redone)
+    superseded = read_metrics(d / "metrics.superseded.jsonl")
+    assert superseded and all(r["step"] > 4 for r in superseded)  # the lost work, kept aside
+
+
+@pytest.fixture
+def preempted(made_once, env, tmp_path) -> tuple[Path, str]:
+    """A copy of JOB on 1 x 4 sent SIGTERM while it wrote its checkpoint at step 4, and its stdout: made once a
+    session, resumed by the SIGTERM test on 1 x 4 and by the restore test on 2 x 1."""
+
+    def make(d: Path) -> None:
+        out = run(d / "run", env, (1, 4), JOB, hooks={"JDP_TEST_TERM": "4:save"})
+        (d / "stdout.txt").write_text(out.stdout)
+
+    made = made_once("preempted-1x4-at-4-save", make)
+    shutil.copytree(made / "run", tmp_path / "preempted", symlinks=True)
+    return tmp_path / "preempted", (made / "stdout.txt").read_text()
+
+
+def test_sigterm_saves_at_an_agreed_step_exits_zero_and_resumes_exactly(preempted, env, reference_runs):
+    ref, (d, stdout) = reference_runs("ddp", DDP), preempted
+    # SIGTERM arrived while the asynchronous save of step 4 was being written; the run exited 0 (run() checks).
+    assert "stopped by a signal after step" in stdout
     stopped = summary(d)
     assert stopped["preempted"] and stopped["steps"] in ckpt_steps(d)
-    run(d, env, (1, 4), ["train.steps=12", "train.ckpt_every=4"])
+    run(d, {**env}, (1, 4), JOB)
     assert summary(d)["params_sha256"] == summary(ref)["params_sha256"]
     assert losses(d) == losses(ref)
 
@@ -159,33 +172,33 @@ def test_sigterm_to_any_process_stops_every_process_at_one_step(tmp_path, env):
     assert max(losses(d)) == stopped["steps"]
 
 
-def test_restore_on_other_device_and_process_counts(tmp_path, env, reference_1x4):
-    ref = reference_1x4
-    for layout in [(2, 1)]:  # another process count and another device count at once
-        d = tmp_path / f"from-1x4-to-{layout[0]}x{layout[1]}"
-        # Preempted right after its checkpoint at step 4 (so that checkpoint is complete), on 1 process x 4 devices.
-        run(d, env, (1, 4), ["train.steps=12", "train.ckpt_every=4"], hooks={"JDP_TEST_TERM": "4:save"})
-        assert ckpt_steps(d) == [4]
-        out = run(d, env, layout, ["train.steps=12", "train.ckpt_every=4"])
-        assert "resuming from the checkpoint at step 4" in out.stdout
-        a, b = losses(ref), losses(d)
-        assert a.keys() == b.keys()
-        for step in a:  # the same data order; the same numbers up to the reduction order of other devices
-            assert abs(a[step] - b[step]) <= 1e-5 * a[step], (layout, step, a[step], b[step])
+def test_restore_on_other_device_and_process_counts(preempted, env, reference_runs):
+    """The checkpoint of 1 process x 4 devices resumed by 2 processes of 1 device: another process count and another
+    device count at once. The same data order; every loss within float32 rounding of the 1 x 4 run's (processes of
+    one device each train like one process of several)."""
+    ref, (d, _) = reference_runs("ddp", DDP), preempted
+    assert ckpt_steps(d) == [4]  # preempted right after its checkpoint at step 4 (so that one is complete)
+    out = run(d, {**env}, (2, 1), JOB)
+    assert "resuming from the checkpoint at step 4" in out.stdout
+    a, b = losses(ref), losses(d)
+    assert a.keys() == b.keys()
+    for step in a:  # the same data order; the same numbers up to the reduction order of other devices
+        assert abs(a[step] - b[step]) <= 1e-5 * a[step], (step, a[step], b[step])
 
 
 @pytest.mark.alone
 def test_stalled_worker_makes_the_job_exit_within_the_watchdog_timeout(tmp_path, env):
+    """Process 1 stops before its step 5; process 0 comes to that step 5 s later (tests/inject.py: so the stalled
+    process's watchdog fires first, and prints its stack before anything ends it)."""
     start = time.monotonic()
-    hooks = {"JDP_TEST_STALL": "5:1"}  # process 1 stops before its step 5
+    hooks = {"JDP_TEST_STALL": "5:1"}
     out = run(tmp_path / "stall", env, (2, 1), ["train.steps=50", "train.step_timeout_s=10"], hooks=hooks, check=False)
     assert out.returncode != 0
     assert time.monotonic() - start < 150
-    assert "no step finished for 10 s" in out.stderr and "processes behind the others: [1]" in out.stderr, out.stderr[
-        -3000:
-    ]
-    # each thread's stack: the stalled process's shows where it stopped (the hook's sleep), the other's its wait
-    assert re.search(r'inject\.py", line \d+ in on_batch', out.stderr), out.stderr[-3000:]
+    said = "process 1 of 2: no step finished for 10 s"
+    assert said in out.stderr and "processes behind the others: [1]" in out.stderr, out.stderr[-3000:]
+    # each thread's stack: the stalled process's shows where it stopped (the hook's sleep)
+    assert re.search(r'\[rank 1\] +File ".*inject\.py", line \d+ in on_batch', out.stderr), out.stderr[-3000:]
 
 
 # ---------------------------------------------------------------------------- in-process (4 simulated devices)
@@ -406,6 +419,9 @@ def test_a_lock_from_another_host_is_live_while_its_beat_is_fresh(tmp_path):
 
 
 def test_streaming_run_killed_and_resumed_reads_the_documents_an_uninterrupted_run_reads(tmp_path, env):
+    """1 process x 4 devices on streamed documents, SIGKILLed after step 6 (its checkpoint at 4 complete) and run
+    again: the redone steps read the uninterrupted run's documents, every loss and the parameters bit for bit, and
+    the lost steps are kept aside. (Also the 1 x 4 case of test_sigkill_then_resume_is_bit_identical.)"""
     shards = tmp_path / "shards"
     shards.mkdir()
     rng = __import__("random").Random(0)
@@ -413,17 +429,19 @@ def test_streaming_run_killed_and_resumed_reads_the_documents_an_uninterrupted_r
     for f in range(4):  # documents of different lengths, so windows straddle documents and shards
         docs = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 120))) for _ in range(60)]
         (shards / f"part-{f}.jsonl").write_text("\n".join(json.dumps({"text": f"{f}: {d}"}) for d in docs))
-    stream = [f"data.source={shards}", "data.streaming=true", "data.val_tokens=1024", "train.steps=12"]
+    stream = [f"data.source={shards}", "data.streaming=true", "data.val_tokens=1024", "train.steps=8"]
     stream += ["train.ckpt_every=4"]
     ref, killed = tmp_path / "reference", tmp_path / "killed"
-    run(ref, env, (1, 4), stream)
-    out = run(killed, env, (1, 4), stream, hooks={"JDP_TEST_KILL": "10"}, check=False)
-    start = ckpt_steps(killed)[-1]  # 8, or 4 when the save of 8 was still being written at the kill
-    assert out.returncode != 0 and start in (4, 8) and (killed / "data_state" / str(start)).is_dir()
-    resumed = run(killed, env, (1, 4), stream)
-    assert f"resuming from the checkpoint at step {start}" in resumed.stdout
+    run(ref, {**env}, (1, 4), stream)
+    kill = {"JDP_TEST_KILL_ONCE": f"6:0:{tmp_path / 'killed-once'}"}  # once the checkpoint at 4 is on disk
+    out = run(killed, env, (1, 4), stream, hooks=kill, check=False)
+    assert out.returncode != 0 and ckpt_steps(killed) == [4] and (killed / "data_state" / "4").is_dir()
+    resumed = run(killed, {**env}, (1, 4), stream)
+    assert "resuming from the checkpoint at step 4" in resumed.stdout
     assert losses(killed) == losses(ref)  # the redone steps saw exactly the reference's documents
     assert summary(killed)["params_sha256"] == summary(ref)["params_sha256"]
+    superseded = read_metrics(killed / "metrics.superseded.jsonl")
+    assert superseded and all(r["step"] > 4 for r in superseded)  # the lost work, kept aside
 
 
 @pytest.fixture
