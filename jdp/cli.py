@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -365,8 +366,12 @@ def main(argv: list[str] | None = None) -> int:
     a failure's exit is not held by a library's threads (exit_despite_threads); called from Python with argv, the
     process is the caller's and is left alone."""
     code = _command(argv)
-    if argv is None and code:
-        exit_despite_threads(code)
+    if argv is None:
+        # The process ends next: Python's final collections walk every object JAX, flax and datasets made (~2 s
+        # on a 2-core CPU, 6.8 s while it was loaded; 1.0 s frozen), a cost paid again by every worker and restart.
+        gc.freeze()
+        if code:
+            exit_despite_threads(code)
     return code
 
 
