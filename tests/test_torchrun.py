@@ -144,8 +144,9 @@ def test_torchrun_on_two_nodes_with_c10d_rendezvous_trains_diloco_as_jdp_launch_
     """Two torchrun agents (one per "node", here both on the loopback) meet at a c10d rendezvous endpoint; the
     worker is jdp's console script, the `$(which jdp)` form. The run is parallel.sync=diloco (a group per process:
     parallel.groups=2, H=4, fsdp inside each group of 2 devices, on JAX 0.10 in CI): every loss and the round's
-    parameters equal the same run under `jdp launch` bit for bit. (DiLoCo through the other launchers:
-    tests/test_launch.py, test_hosts.py, test_slurm.py.)"""
+    parameters equal the same run under `jdp launch` bit for bit: the one check, on JAX 0.10, that DiLoCo on a world
+    from another launcher trains as under `jdp launch` (tests/test_slurm.py relies on it; across hosts:
+    tests/test_hosts.py)."""
     diloco = [*TRAIN, "train.steps=8", "train.eval_every=0", "parallel.sync=diloco", "parallel.groups=2",
               "parallel.outer_every=4", "parallel.strategy=fsdp"]  # fmt: skip
     reference, d, endpoint = launch(tmp_path / "launch", diloco, env), tmp_path / "run", f"127.0.0.1:{free_port()}"
