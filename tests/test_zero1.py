@@ -11,7 +11,7 @@ import optax
 import pytest
 import test_parallel
 from flax import nnx
-from test_faults import killed_at_save_then_resumed, losses, run
+from test_faults import losses, run
 from test_parallel import params_close, rel_diff
 
 from jdp import parallel
@@ -60,8 +60,8 @@ def train(n_devices, strategy, optim="adamw", grad_accum=1, steps=4):
 
 @pytest.mark.parametrize(
     "n_devices, optim, grad_accum",
-    [(1, "adamw", 1), (4, "adamw", 1), (4, "sgd", 1), (4, "adamw", 2), (2, "sgd", 2)],
-)  # (not 2-adamw-2 too: 2 devices' slices are (2, sgd, 2)'s, AdamW's state on 4 devices; CI time)
+    [(1, "adamw", 1), (4, "sgd", 1), (4, "adamw", 2), (2, "sgd", 2)],
+)  # (not 2-adamw-2 nor 4-adamw-1 too, CI time: 2 devices' slices are (2, sgd, 2)'s, AdamW's state on 4 devices)
 def test_zero1_trains_as_ddp(n_devices, optim, grad_accum):
     ddp, ddp_hist = train(n_devices, "ddp", optim, grad_accum)
     zero1, zero1_hist = train(n_devices, "zero1", optim, grad_accum)
@@ -178,11 +178,15 @@ def test_zero1_and_ddp_runs_agree_step_by_step(runs):
     assert close(losses(runs["ddp"]), losses(runs["zero1"]))
 
 
+# zero1's checkpoint read by ddp, and across device and process counts (4 devices to 2 processes x 1). Not ddp's
+# read by zero1 (CI time): tests/test_fsdp.py's ddp-to-fsdp reads ddp's checkpoint into a split layout, and its
+# fsdp-to-zero1 moves a checkpoint into zero1's. zero1 killed while saving and resumed bit for bit, and its 4-device
+# checkpoint read on 2 devices (by fsdp): tests/test_muon.py (zero1 with Muon).
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "written_by, layout, strategy",
-    [("zero1", (1, 2), "zero1"), ("zero1", (1, 4), "ddp"), ("ddp", (1, 4), "zero1"), ("zero1", (2, 1), "zero1")],
-    ids=["zero1x4-to-zero1x2", "zero1-to-ddp", "ddp-to-zero1", "zero1x4-to-2-processes"],
+    [("zero1", (1, 4), "ddp"), ("zero1", (2, 1), "zero1")],
+    ids=["zero1-to-ddp", "zero1x4-to-2-processes"],
 )
 def test_checkpoint_continues_under_another_strategy_or_device_count(runs, env, tmp_path, written_by, layout, strategy):
     d = tmp_path / "run"
@@ -192,13 +196,5 @@ def test_checkpoint_continues_under_another_strategy_or_device_count(runs, env, 
     extra = ["train.steps=8", "train.ckpt_every=4", f"parallel.strategy={strategy}", "parallel.bucket_mb=0.05"]
     out = run(d, env, layout, extra)
     assert "resuming from the checkpoint at step 4" in out.stdout
-    if written_by != strategy or layout[0] * layout[1] != 4:
-        assert "optimizer state moved from" in out.stdout
+    assert "optimizer state moved from" in out.stdout
     assert close(losses(runs[written_by]), losses(d))  # steps 5-8 as the uninterrupted run's, to rounding
-
-
-@pytest.mark.slow
-def test_zero1_sigkill_then_resume_is_bit_identical(runs, env, tmp_path):
-    killed_at_save_then_resumed(
-        tmp_path / "killed", env, ["train.steps=8", "train.ckpt_every=4", *ZERO1], runs["zero1"]
-    )
