@@ -1,5 +1,7 @@
-"""The Llama family (model.arch=llama) with real processes: 2 processes x 2 devices train like 1 x 4, and a run
-killed with SIGKILL and run again ends with the uninterrupted run's every loss and bit-identical parameters."""
+"""The Llama family (model.arch=llama) under `jdp train`: a run killed with SIGKILL and run again ends with the
+uninterrupted run's every loss and bit-identical parameters. (Its 4 devices = 1: test_llama.py's
+test_four_devices_train_as_one; 2 processes x 2 devices = 1 x 4, the same for every family: test_launch.py's
+layouts, whose 2 x 2 comparison for a Llama cost CI ~30 s more.)"""
 
 import json
 import os
@@ -55,12 +57,13 @@ def ckpt_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
 
 
-def test_two_processes_train_like_one_and_a_sigkilled_run_resumes_bit_identically(tmp_path, env):
+def test_a_sigkilled_llama_run_resumes_bit_identically(tmp_path, env):
     """1 x 4 uninterrupted; 1 x 4 killed with SIGKILL while it writes its step-4 checkpoint, then run again (= the
-    uninterrupted run, bit for bit); 2 x 2 uninterrupted (= 1 x 4 within 1e-5). The two 1 x 4 runs after the
-    first take their compiled step from the persistent cache; the 2 x 2 compiles its own program."""
-    one, killed, two = tmp_path / "1x4", tmp_path / "1x4-killed", tmp_path / "2x2"
+    uninterrupted run, bit for bit). The two runs after the first take their compiled step from the persistent
+    cache."""
+    one, killed = tmp_path / "1x4", tmp_path / "1x4-killed"
     run(one, env, (1, 4))
+    assert any("gate" in k for k in summary(one)["params_fingerprint"])  # a Llama's tree: SwiGLU's gate
     out = run(killed, env, (1, 4), hooks={"JDP_TEST_KILL": "4:save"})
     # orbax finished step 2's checkpoint before it started step 4's, which is never seen (atomic)
     assert out.returncode != 0 and ckpt_steps(killed) == [2], (ckpt_steps(killed), out.stderr[-3000:])
@@ -68,19 +71,4 @@ def test_two_processes_train_like_one_and_a_sigkilled_run_resumes_bit_identicall
     assert "resuming from the checkpoint at step 2" in out.stdout
     assert summary(killed)["params_sha256"] == summary(one)["params_sha256"]  # bit-identical parameters
     assert [(r["step"], r["loss"]) for r in metrics(killed)] == [(r["step"], r["loss"]) for r in metrics(one)]
-
-    out = run(two, env, (2, 2))
-    assert "[rank 0] jdp | process 0 of 2" in out.stdout and summary(two)["devices"] == 4
-    a, b = metrics(one), metrics(two)
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
-    for x, y in zip(a, b, strict=True):  # the same global batches; the devices' sums in another order at most
-        for key in ("loss", "grad_norm"):
-            assert abs(x[key] - y[key]) <= 1e-5 * abs(x[key]), (key, x, y)
-    # Final parameters, leaf by leaf: the norm, and the projection on a fixed Gaussian vector (within 6 |a - b|
-    # of zero for any difference a - b, so a mismatch above 1e-5 relative would show).
-    fa, fb = summary(one)["params_fingerprint"], summary(two)["params_fingerprint"]
-    assert fa.keys() == fb.keys() and any("gate" in k for k in fa), list(fa)  # a Llama's tree: SwiGLU's gate
-    for name, (_, norm_a, proj_a) in fa.items():
-        _, norm_b, proj_b = fb[name]
-        assert abs(norm_a - norm_b) <= 1e-5 * norm_a, name
-        assert abs(proj_a - proj_b) <= 6e-5 * norm_a, name
+    assert [r["step"] for r in metrics(one)] == [1, 2, 3, 4]
