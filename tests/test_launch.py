@@ -10,21 +10,12 @@ import time
 import inject
 import psutil
 import pytest
+from test_faults import DDP, JOB, SMALL, launched_2x2, run, summary
 
 from jdp.job.xla import SCRATCH_LATE
 from jdp.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
-TRAIN = [
-    "train",
-    "configs/tiny.yaml",
-    "train.steps=6",
-    "train.log_every=1",
-    "train.eval_every=3",
-    "train.progress=false",
-]
-# A smaller model than tiny's for the layout comparison: its runs are mostly start-up and compilation.
-SMALL = ["model.n_layers=2", "model.d_model=64", "model.max_seq_len=64", "data.seq_len=64", "data.val_tokens=4096"]
 
 
 @pytest.fixture(scope="module")
@@ -38,30 +29,28 @@ def jdp(args, env, timeout=400, **kw):
     )
 
 
-def run_layout(tmp_path, env, nproc, devices_each):
-    run_dir = tmp_path / f"{nproc}x{devices_each}"
-    args = [*TRAIN, *SMALL, f"train.run_dir={run_dir}"]
-    if nproc == 1:
-        out = jdp(args, {**env, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_each}"})
-    else:
-        out = jdp(["launch", "--nproc-per-node", str(nproc), "--devices-per-proc", str(devices_each), "--", *args], env)
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert SCRATCH_LATE not in out.stdout + out.stderr  # malloc set before any thread: no page faults every step
-    if nproc > 1:
-        assert "[rank 0] jdp | process 0 of" in out.stdout  # every line carries its rank
-        assert "jdp | model" not in out.stdout.replace("[rank 0] jdp | model", "")  # one voice: rank 0 only
-        assert "[Gloo] Rank" not in out.stdout + out.stderr  # gloo's "Rank 0 is connected" per process: dropped
-    return read_metrics(run_dir / "metrics.jsonl"), json.loads((run_dir / "summary.json").read_text())
-
-
-def test_launch_layouts_train_exactly_like_one_process(tmp_path, env):
-    """launch-2x2 (docs/multihost.md's first command, with a smaller model): 2 x 2 and 4 x 1 = 1 x 4 = one device
-    (`jdp train` on a machine with one: the same global batch, every loss, grad_norm and eval_loss to 1e-5)."""
-    base_metrics, base_summary = run_layout(tmp_path, env, 1, 4)
-    for nproc, devices_each in [(1, 1), (2, 2), (4, 1)]:
-        metrics, summary = run_layout(tmp_path, env, nproc, devices_each)
-        assert summary["devices"] == nproc * devices_each and (nproc == 1 or f"of {nproc}" in summary["world"])
+def test_launch_layouts_train_exactly_like_one_process(tmp_path, env, reference_runs, made_once):
+    """launch-2x2 (docs/multihost.md's first command, with test_faults' small model and job): 2 x 2 = 1 x 4 = one
+    device (`jdp train` on a machine with one: the same global batch, every loss and grad_norm and the final
+    eval_loss to 1e-5, the final parameters leaf by leaf). Both references are shared: the 1 x 4 run with test_zero1
+    and test_fsdp, the 2 x 2 run with test_faults' kill. Processes of one device each: 2 x 1 = 1 x 4 in
+    test_faults' restore (after a checkpoint at step 4), 4 x 1 on one host = 2 hosts x 2 in test_hosts (4 x 1
+    here cost CI ~70 s of four processes' start-up)."""
+    base = reference_runs("ddp", DDP)
+    one = tmp_path / "1x1"
+    one_out = run(one, {**env}, (1, 1), JOB)
+    two, two_out = launched_2x2(made_once, env)
+    for out in (one_out.stdout + one_out.stderr, two_out):
+        assert SCRATCH_LATE not in out  # malloc set before any thread: no page faults every step
+    assert "[rank 0] jdp | process 0 of" in two_out  # every line carries its rank
+    assert "jdp | model" not in two_out.replace("[rank 0] jdp | model", "")  # one voice: rank 0 only
+    assert "[Gloo] Rank" not in two_out  # gloo's "Rank 0 is connected" per process: dropped
+    base_metrics, base_summary = read_metrics(base / "metrics.jsonl"), summary(base)
+    for d, (nproc, devices_each) in [(one, (1, 1)), (two, (2, 2))]:
+        metrics, s = read_metrics(d / "metrics.jsonl"), summary(d)
+        assert s["devices"] == nproc * devices_each and (nproc == 1 or f"of {nproc}" in s["world"])
         assert [r["step"] for r in metrics] == [r["step"] for r in base_metrics]
+        assert any("eval_loss" in r for r in base_metrics)
         for a, b in zip(base_metrics, metrics, strict=True):
             for key in ("loss", "grad_norm", "eval_loss"):
                 if key in a:
@@ -69,7 +58,7 @@ def test_launch_layouts_train_exactly_like_one_process(tmp_path, env):
         # Final parameters, leaf by leaf: the norm, and the projection on a fixed Gaussian vector, which is
         # within 6 |a - b| of zero for any difference a - b, so a mismatch above 1e-5 relative would show.
         for name, (_, norm_a, proj_a) in base_summary["params_fingerprint"].items():
-            _, norm_b, proj_b = summary["params_fingerprint"][name]
+            _, norm_b, proj_b = s["params_fingerprint"][name]
             assert abs(norm_a - norm_b) <= 1e-5 * norm_a, name
             assert abs(proj_a - proj_b) <= 6e-5 * norm_a, name
 
@@ -89,7 +78,7 @@ def launched():
 
 def start_launch(tmp_path, env, launched, nproc=2, extra=()):
     args = [sys.executable, "-m", "jdp.cli", "launch", "--nproc-per-node", str(nproc), "--grace-s", "3", *extra, "--"]
-    args += ["train", "configs/tiny.yaml", "train.steps=100000", "train.progress=false", "train.log_every=1"]
+    args += ["train", "configs/tiny.yaml", *FAULTS_RUN, "train.steps=100000"]  # the small model: compiled once
     args += [f"train.run_dir={tmp_path / 'long'}", "parallel.heartbeat_timeout_s=10"]
     launched.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return launched[-1]
@@ -223,9 +212,8 @@ def test_gloos_connected_lines_are_dropped_even_when_two_clients_interleave_them
         assert not _gloo_noise(kept), kept
 
 
-# (the layout comparison above keeps SMALL: evaluations at steps 3 and 6 compared too)
-FAULTS_RUN = ["model.n_layers=2", "model.d_model=64", "model.max_seq_len=64", "data.seq_len=64", "train.batch_size=16"]
-FAULTS_RUN += ["train.log_every=1", "train.eval_every=0", "train.progress=false", "data.val_tokens=4096"]
+# test_faults' small model and settings: its 2 x 1 jobs and these compile the same step, cached for the session
+FAULTS_RUN = SMALL
 
 
 def _exited(p: psutil.Process) -> bool:
@@ -271,8 +259,11 @@ def test_workers_of_a_launcher_killed_with_sigkill_stop_at_an_agreed_step_within
 
 def test_a_process_that_leaves_outside_a_step_is_named_by_the_others_within_seconds(tmp_path, env, spawn):
     """No launcher to stop the others: the process that fails says so in the job's key-value store, and the
-    others stop (non-zero) naming it and its phase, instead of waiting for it in a collective or a barrier."""
-    for where, pid in [("save", 0), ("log", 1), ("eval", 0)]:
+    others stop (non-zero) naming it and its phase, instead of waiting for it in a collective or a barrier.
+    Process 0 (the coordinator) leaves while saving (a callback's phase: the other waits in the checkpoint's
+    barrier); process 1 while logging (the step's phase: the other waits in the next step's collective). An error
+    while evaluating is a callback's phase as saving is (it cost CI another ~30 s job)."""
+    for where, pid in [("save", 0), ("log", 1)]:
         d = tmp_path / f"{where}-{pid}"
         argv = ["-m", "jdp.cli", "train", "configs/tiny.yaml", *FAULTS_RUN, "train.steps=100000", f"train.run_dir={d}"]
         argv += ["train.ckpt_every=5", "train.eval_every=5", "data.val_tokens=4096"]
