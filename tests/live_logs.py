@@ -34,25 +34,28 @@ def wait_for_step(run_dir: Path, pid: int, step: int, timeout: float = 120) -> N
     raise AssertionError(f"member {pid} did not reach step {step} in {timeout} s")
 
 
-def global_batches(steps: int) -> list[np.ndarray]:
-    """The window indices of global batches 0..steps-1, in jdp's global order (seed 0)."""
+def global_batches(steps: int, extra: tuple | list = ()) -> list[np.ndarray]:
+    """The window indices of global batches 0..steps-1, in jdp's global order (seed 0), with the `extra` overrides
+    the run had (data.val_tokens moves the windows)."""
     from jdp.data.pipeline import load_data
 
-    cfg = load_config("configs/tiny.yaml", MODEL)
+    cfg = load_config("configs/tiny.yaml", [*MODEL, *extra])
     order = load_data(cfg.data, cfg.model.vocab_size, cfg.train.batch_size, cfg.train.seed).train.order
     return [order.indices(s) for s in range(steps)]
 
 
-def check_rows(run_dir: Path, final: list[int], everyone: list[int], steps: int, first: int = 1) -> int:
+def check_rows(
+    run_dir: Path, final: list[int], everyone: list[int], steps: int, first: int = 1, extra: tuple | list = ()
+) -> int:
     """Every row of steps first..steps trained exactly once, over the final state's history: each step's quorum as
     a member that ended the run logged it, else as one that committed it (a line is written only after its commit);
     each member of that quorum logged its rank's part of the
     global batch, and the parts make the batch. A member SIGKILLed between its step's commit and its line, or cut
     off after an all-reduce the others committed (it copies their state later), has no line for that step: its part
     is its rank's (the PIDs in rank order ride in the all-reduce: a rank held twice or by no one would show).
-    Returns how many parts were so attributed."""
+    Returns how many parts were so attributed. `extra`: the run's data overrides (global_batches)."""
     logged = {pid: {m["step"]: m for m in lines(run_dir, pid)} for pid in everyone}
-    batches, unlogged = global_batches(steps), 0
+    batches, unlogged = global_batches(steps, extra), 0
     for s in range(first, steps + 1):
         # a final member's line; else (its quorum all gone since, as at a start, where the first two members
         # trained step 1 and the others copied their state) the line of a member that committed it
