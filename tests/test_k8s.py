@@ -73,7 +73,15 @@ def run_hosts(hosts: list[tuple[Path, str, dict]], argv: list[str], timeout: flo
     return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs, strict=True)]
 
 
-def test_the_indexed_job_trains_from_what_its_pods_are_given(tmp_path):
+@pytest.fixture(scope="module")
+def cache(made_once) -> str:
+    """The data (and a single process's compiled programs) tokenized once for the session's `alone` tests that
+    train the same small model (test_hosts, test_slurm), not again per test: what a pod runs is not about a cold
+    cache."""
+    return str(made_once("alone-jdp-cache", lambda d: None))
+
+
+def test_the_indexed_job_trains_from_what_its_pods_are_given(tmp_path, cache):
     service, job = yaml.safe_load_all((ROOT / "scripts/k8s-job.yaml").read_text())
     n, name, subdomain = (
         job["spec"]["completions"],
@@ -91,7 +99,7 @@ def test_the_indexed_job_trains_from_what_its_pods_are_given(tmp_path):
     # The job's command, with the tiny model on this CPU and a run directory of the test's (every pod's "shared").
     argv = [str(Path(sys.executable).parent / "jdp"), "train", "configs/tiny.yaml", *SMALL]
     argv.append(f"train.run_dir={tmp_path / 'shared' / 'run'}")
-    cpu = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JDP_CACHE": str(tmp_path / "cache")}
+    cpu = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JDP_CACHE": cache}
     pods = [(tmp_path / f"hosts-{i}", f"{name}-{i}", cpu | pod_environment(job, i)) for i in range(n)]
     results = run_hosts(pods, argv, timeout=300)
     assert all(code == 0 for code, _, _ in results), "\n".join(err[-3000:] for _, _, err in results)
@@ -105,14 +113,14 @@ def test_the_indexed_job_trains_from_what_its_pods_are_given(tmp_path):
     assert steps == [1, 2, 3, 4]
 
 
-def test_a_host_whose_own_name_does_not_resolve_still_joins(tmp_path):
+def test_a_host_whose_own_name_does_not_resolve_still_joins(tmp_path, cache):
     """gloo (CPU collectives) left alone advertises the address of the host's own name, and fails where that name
     does not resolve (or resolves to a loopback address other hosts cannot reach); jdp gives it the address this
     host reaches the coordinator from instead, so each process says where and the job trains."""
     hosts = tmp_path / "hosts"
     hosts.write_text("127.0.0.1 localhost\n")
     port = free_port()
-    cpu = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JDP_CACHE": str(tmp_path / "cache")}
+    cpu = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JDP_CACHE": cache}
     job = [
         {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)}
         for i in range(2)

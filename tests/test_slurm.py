@@ -44,14 +44,15 @@ def cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def env(cluster, tmp_path_factory):
+def env(cluster, made_once):
     """What the jobs are submitted with: the cluster's clean environment (no JAX_*, MASTER_*, SLURM_* of the
     test process), this venv's jdp first on PATH, and 2 simulated CPU devices per process (sbatch and srun hand
-    the submitting environment to every task)."""
+    the submitting environment to every task). The data tokenized once for the session's `alone` tests of the same
+    small model (test_hosts, test_k8s)."""
     return {
         **cluster.env,
         "PATH": f"{JDP.parent}{os.pathsep}{os.environ.get('PATH', '')}",
-        "JDP_CACHE": str(tmp_path_factory.mktemp("cache")),
+        "JDP_CACHE": str(made_once("alone-jdp-cache", lambda d: None)),
         "PYTHONUNBUFFERED": "1",
         "JAX_PLATFORMS": "cpu",  # names no job; keeps a machine with a GPU plugin on the CPU like the rest of the suite
         "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
@@ -90,7 +91,10 @@ def srun_run(cluster, env, tmp_path_factory):
 
 
 def test_srun_trains_like_jdp_launch(srun_run, env, tmp_path):
-    """`srun -n 2 jdp train` (SLURM's variables) and `srun -n 2 jdp launch` (a launcher task per node) train alike."""
+    """`srun -n 2 jdp train` (SLURM's variables) and `srun -n 2 jdp launch` (a launcher task per node) train alike.
+    What SLURM gives jdp is the world (processes, coordinator, devices), whatever the run does with it: DiLoCo on a
+    world from a launcher trains bit for bit as under `jdp launch` in test_torchrun.py (torchrun's variables, JAX
+    0.10) and test_hosts.py (a group per host across hosts), on 2 processes in test_diloco.py."""
     out, metrics, summary = srun_run
     m = re.search(r"process 0 of 2, coordinator (\S+):(\d+) \(from SLURM variables\)", out.stdout)
     assert m, out.stdout[-3000:]
@@ -126,29 +130,6 @@ def test_srun_trains_like_jdp_launch(srun_run, env, tmp_path):
         _, norm_b, proj_b = summary["params_fingerprint"][name]
         assert abs(norm_a - norm_b) <= 1e-5 * norm_a, name
         assert abs(proj_a - proj_b) <= 6e-5 * norm_a, name
-
-
-def test_srun_trains_diloco_as_jdp_launch_does(cluster, env, tmp_path):
-    """parallel.sync=diloco under `srun -n 2`: each task's 2 devices a group (parallel.groups=2: the tasks share
-    this one node, so not a group per host), H=4, zero1 inside; every loss (process 0's: its group's) and the round's
-    parameters equal the same run under `jdp launch` bit for bit."""
-    diloco = [*RUN, "train.steps=10", "train.eval_every=0", "parallel.sync=diloco", "parallel.groups=2",
-              "parallel.outer_every=4", "parallel.strategy=zero1"]  # fmt: skip
-    out = subprocess.run(
-        ["srun", "--kill-on-bad-exit=1", "-n", "2", str(JDP), "train", *diloco, f"train.run_dir={tmp_path / 'srun'}"],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "parallel.sync=diloco: 2 groups, synced every 4 steps" in out.stdout + out.stderr
-    args = [str(JDP), "launch", "--nproc-per-node", "2", "--devices-per-proc", "2", "--", "train", *diloco]
-    ref = subprocess.run([*args, f"train.run_dir={tmp_path / 'one'}"], env=env, cwd=REPO, capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    mine, theirs = read_metrics(tmp_path / "srun" / "metrics.jsonl"), read_metrics(tmp_path / "one" / "metrics.jsonl")
-    assert {r["step"]: r["loss"] for r in mine if "loss" in r} == {r["step"]: r["loss"] for r in theirs if "loss" in r}
-    assert [r["step"] for r in mine if "outer_grad_norm" in r] == [4, 8]
-    summaries = [json.loads((tmp_path / d / "summary.json").read_text()) for d in ("srun", "one")]
-    assert summaries[0]["params_sha256"] == summaries[1]["params_sha256"]
 
 
 def sbatch(cluster, env, run_dir: Path, logs: Path) -> str:
