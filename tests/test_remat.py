@@ -1,5 +1,5 @@
 """Activation recomputation (model.remat, jdp/parallel/remat.py): the same losses, gradients and parameters as
-without it (to float32 rounding) for GPT and Llama under every strategy, 4 devices = 1 device; less kept for
+without it (to float32 rounding) for GPT under every strategy and Llama under hsdp, 4 devices = 1 device; less kept for
 backward in the compiled step, and the planner counting it; a library model's blocks found by its nnx.List."""
 
 import json
@@ -41,14 +41,13 @@ def test_recomputed_steps_are_the_steps_without_it_under_every_strategy_on_4_dev
     reference, ref_params = steps(arch, 1)
     cases = [
         (4, "parallel.strategy=ddp", "model.remat=full"),
-        (4, "parallel.strategy=zero1", "model.remat=dots"),
+        (4, "parallel.strategy=zero1", "model.remat=dots", "train.grad_accum=2"),  # recomputed inside the loop
         (4, "parallel.strategy=fsdp", "model.remat=full"),
         (4, "parallel.strategy=fsdp", "model.remat=dots", "parallel.reshard_after_forward=false"),
         (4, "parallel.strategy=hsdp", "parallel.shard_size=2", "model.remat=full", "model.remat_every=2"),
-        (1, "parallel.strategy=ddp", "model.remat=dots", "train.grad_accum=2"),
     ]
-    if arch == "llama":  # the family's blocks take the same wrapper: three of GPT's cases suffice
-        cases = [cases[0], cases[3], cases[4]]
+    if arch == "llama":  # the family's blocks take the same wrapper: one of GPT's cases (CI time), the most involved
+        cases = [cases[4]]
     for devices, *overrides in cases:
         got, params = steps(arch, devices, *overrides)
         for (a, ga), (b, gb) in zip(reference, got, strict=True):
@@ -66,12 +65,16 @@ def compiled_temp(cfg, devices: int = 1) -> int:
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 def test_the_compiled_step_keeps_less_for_backward_and_the_planner_counts_it(arch):
     """XLA's temporaries (the activations, at the start of backward) shrink from none to dots to full, and from
-    full to keeping every other block's; the planner's estimate falls in the same order, within 30% of each."""
+    full to keeping every other block's; the planner's estimate falls in the same order, within 30% of each.
+    (model.remat_every for GPT only, CI time: it groups any family's blocks alike, and Llama's grouped steps are
+    the recomputed-steps test's.)"""
     base = ["model.n_layers=3", "model.d_model=64", "data.seq_len=64", "model.max_seq_len=64", "train.batch_size=8"]
     base += ["model.arch=llama", "model.n_kv_heads=2"] if arch == "llama" else []
     temps, estimates = {}, {}
-    for name, extra in {"none": [], "dots": ["model.remat=dots"], "full": ["model.remat=full"],
-                        "full/2": ["model.remat=full", "model.remat_every=2"]}.items():  # fmt: skip
+    variants = {"none": [], "dots": ["model.remat=dots"], "full": ["model.remat=full"]}
+    if arch == "gpt":
+        variants["full/2"] = ["model.remat=full", "model.remat_every=2"]
+    for name, extra in variants.items():
         cfg = load_config("tiny", [*base, *extra])
         temps[name] = compiled_temp(cfg)
         estimates[name] = plan.activation_bytes(cfg, 8, fused_attention=False)
@@ -80,8 +83,10 @@ def test_the_compiled_step_keeps_less_for_backward_and_the_planner_counts_it(arc
         assert abs(error) <= 0.30, (name, temps[name], estimates[name])
     # none / dots, measured: llama 1.47 on jaxlib 0.12.1 (XLA keeps less without recomputation than 0.12.0.1 did)
     assert temps["none"] > 1.4 * temps["dots"] and temps["dots"] > temps["full"], temps
-    assert temps["none"] > temps["full/2"] > temps["full"], temps
-    assert estimates["none"] > estimates["dots"] > estimates["full"] and estimates["full/2"] > estimates["full"]
+    assert estimates["none"] > estimates["dots"] > estimates["full"]
+    if arch == "gpt":
+        assert temps["none"] > temps["full/2"] > temps["full"], temps
+        assert estimates["full/2"] > estimates["full"]
 
 
 def test_fsdp_recomputes_its_gathered_blocks_by_the_policy_not_twice():
