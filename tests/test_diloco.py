@@ -231,13 +231,13 @@ def test_what_diloco_cannot_run_is_refused_before_compiling(tmp_path, cache, ove
         assert w in str(e.value)
 
 
-# zero1 and fsdp inside on 2 processes: tests/test_slurm.py and tests/test_torchrun.py (DiLoCo = jdp launch); hsdp
+# fsdp inside on 2 processes: tests/test_torchrun.py's two-node run (DiLoCo = jdp launch, bit for bit); hsdp
 # inside on one process: test_h1_with_a_plain_outer_average_trains_exactly_as_ddp[hsdp] and the killed-mid-round
 # runs (its own two-process case here cost CI 94 s: its sharding of 1 was ddp's layout again).
 @pytest.mark.parametrize("strategy", ["ddp"])
 def test_h1_equals_ddp_on_two_processes(tmp_path, cache, ddp_run, strategy):
     """2 real processes of 2 devices each, a group each: H=1 with a plain outer average trains to the parameters of
-    ddp on 4 devices of one process (the data order does not depend on the layout), with ddp or hsdp inside."""
+    ddp on 4 devices of one process (the data order does not depend on the layout), with ddp inside."""
     args = ["-m", "jdp.cli", "train", "tiny", *SMALL, f"train.run_dir={tmp_path / 'two'}", "train.steps=6", "train.log_every=1",
             "train.progress=false", "train.eval_every=0", *PLAIN, *DILOCO_H1, f"parallel.strategy={strategy}",
             *(["parallel.shard_size=1"] if strategy == "hsdp" else [])]  # fmt: skip

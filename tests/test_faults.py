@@ -107,7 +107,7 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, env, made_once):
     """2 processes x 2 devices (through `jdp launch`), killed while writing the checkpoint at step 8 and run again:
     the uninterrupted 2 x 2 run's every loss and its parameters, bit for bit. On 1 x 4: killed after a step,
     test_streaming_run_killed_and_resumed_reads_the_documents_an_uninterrupted_run_reads; killed while saving,
-    killed_at_save_then_resumed (test_zero1, test_fsdp, test_muon, test_hooks)."""
+    killed_at_save_then_resumed (test_fsdp; zero1's kill at a save: test_muon)."""
     d, (ref, _) = tmp_path / "killed", launched_2x2(made_once, env)
     out = run(d, env, (2, 2), JOB, hooks={"JDP_TEST_KILL": "8:save"}, check=False)
     assert out.returncode != 0, out.stderr[-3000:]

@@ -238,7 +238,7 @@ def test_elastic_diloco_goes_on_with_the_groups_it_has(env, tmp_path):
     files in --rdzv-dir), so host 1 re-forms the job alone as node 0, the coordinator now, a group of its own, from
     the round's parameters, logged, and trains every step to the end, the group syncing on its cadence. (Taking a
     host back is test_elastic_membership_goes_on_without_a_lost_host_and_takes_it_back_at_the_next_restart's; more
-    groups from a checkpoint of fewer, test_diloco.py::test_a_checkpoint_of_other_groups_continues_from_the_round's.)"""
+    groups from a checkpoint of fewer, test_diloco.py::test_checkpoints_move_between_every_step_sync_and_diloco's.)"""
     d, log1 = tmp_path / "run", tmp_path / "run-host1.log"
     elastic = ["--nnodes", "1:2", "--rdzv-dir", str(tmp_path / "rdzv"), "--rdzv-timeout", "3", "--max-restarts", "1"]
     with Hosts(2) as hosts:
