@@ -139,9 +139,10 @@ def lost_peers(lines: list[str], nproc_per_node: int = 0) -> str:
 
 
 # gloo's C++ writes "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1" once per
-# CPU client at start, in pieces; two clients in one process interleave them ("[Gloo] Rank [Gloo] Rank 0 is ..."), so a
-# line is gloo's when it holds a piece of that message and nothing but its pieces and numbers.
-_GLOO_PIECES = (b"[Gloo] Rank", b"is connected to", b"peer ranks. Expected number of connected peer ranks is :")
+# CPU client at start, in pieces (one per `<<`); two clients in one process interleave them ("[Gloo] Rank [Gloo] Rank 0
+# is ...", "... peer ranks. [Gloo] Rank Expected number ..."), so a line is gloo's when it holds a piece of that
+# message and nothing but its pieces and numbers.
+_GLOO_PIECES = (b"Expected number of connected peer ranks is :", b"[Gloo] Rank", b"is connected to", b"peer ranks.")
 _GLOO_REST = re.compile(rb"|".join(re.escape(p) for p in _GLOO_PIECES) + rb"|\d+|\s+")
 
 
