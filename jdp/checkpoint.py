@@ -344,15 +344,21 @@ def _small_arrays_from_one_replica() -> None:
         return  # set already (the registry logs a warning at every override)
     if "min_slice_bytes_for_replica_parallel" not in inspect.signature(handler.__init__).parameters:
         return  # an orbax without the setting
-    absl = logging.getLogger("absl")
-    level = absl.level
-    absl.setLevel(logging.ERROR)  # "Type handler registry type ... overriding jax.Array": the override is the point
+    absl, notice = logging.getLogger("absl"), _OverrideNotice()  # only that notice: other threads' records pass
+    absl.addFilter(notice)
     try:
         ocp.type_handlers.register_type_handler(
             jax.Array, handler(min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_BYTES), override=True
         )
     finally:
-        absl.setLevel(level)
+        absl.removeFilter(notice)
+
+
+class _OverrideNotice(logging.Filter):
+    """Drops orbax's `Type handler registry type ... overriding ...`: jdp's override is the point."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Type handler registry type")
 
 
 class Checkpoints:
