@@ -228,7 +228,7 @@ def test_allreduce_table_puts_the_norms_scalar_all_reduces_in_one_row_when_xla_l
 
 
 SCRATCH_PROGRAM = """
-import resource, statistics, sys
+import resource, sys
 from jdp.job import xla
 if sys.argv[1] == "keep":
     assert xla.keep_scratch_memory()
@@ -243,9 +243,11 @@ for _ in range(12):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     f(x, w).block_until_ready()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-# The median call: jaxlib >= 0.11 allocates the temporaries as several blocks, and the heap takes a few calls
-# to settle (each of those faults a block in once); from then on no call faults.
-print(int(statistics.median(faults)))
+# The fewest of 12 calls. Without the settings every call maps the block afresh and faults it all in (about 52,900
+# each); with them a call that finds the block still mapped faults nothing. jaxlib >= 0.11 allocates the temporaries
+# as several blocks and the heap takes a few calls to settle; on a loaded machine (CI's part not alone) the XLA
+# workers' timing can keep it growing for most of the 12 calls (a median of 16,925 once), never all of them.
+print(min(faults))
 """
 
 
@@ -260,5 +262,5 @@ def test_scratch_memory_is_not_faulted_in_again_every_step():
         out = subprocess.run([sys.executable, "-c", SCRATCH_PROGRAM, mode], env=env, capture_output=True, text=True)
         assert out.returncode == 0, out.stderr[-2000:]
         faults[mode] = int(out.stdout)
-    # Measured: about 52,900 page faults per call without, 0-2 with (the median call), jaxlib 0.10.2 to 0.12.1.
+    # Measured: about 52,900 page faults per call without, 0 with (the fewest of 12 calls), jaxlib 0.10.2 to 0.12.1.
     assert faults["default"] >= 4096 and faults["keep"] <= faults["default"] / 10, faults
