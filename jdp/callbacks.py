@@ -254,14 +254,17 @@ class Evaluate(Periodic):
         run = loop.run
         loop.notify("eval", step)
         sets = run.eval_data.eval_sets()
-        record, loss_sum, weight = {"step": step}, 0.0, 0.0
+        record, loss_sum, weight, sums = {"step": step}, 0.0, 0.0, {}
         for label, batches in sets:  # a mixture's sources one by one, each named; the overall loss over all of them
-            loss_k, weight_k = evaluate(run.eval_step, loop.state, batches, run.mesh, run.batch_size)
+            loss_k, weight_k, extra_k = evaluate(run.eval_step, loop.state, batches, run.mesh, run.batch_size)
             loss_sum, weight = loss_sum + loss_k * weight_k, weight + weight_k
+            for k, v in extra_k.items():
+                sums[k] = sums.get(k, 0.0) + v * weight_k
             if label:
                 record.update({f"eval_loss/{label}": loss_k, f"eval_{run.unit}/{label}": weight_k})
         loss = loss_sum / max(weight, 1.0)
-        loop.write({**record, "eval_loss": loss, f"eval_{run.unit}": weight})
+        extra = {f"eval_{k}": v / max(weight, 1.0) for k, v in sums.items()}  # the loss's metrics (TRL's eval_rewards/...)
+        loop.write({**record, "eval_loss": loss, f"eval_{run.unit}": weight, **extra})
         loop.last.update(eval_loss=loss)
         loop.say(f"step {step}: eval_loss {loss:.4f} over {weight:,.0f} {run.unit}")
         loop.not_training()  # evaluation time is not training throughput
@@ -272,14 +275,18 @@ class Evaluate(Periodic):
                 self.run(loop, loop.done)
 
 
-def evaluate(eval_step, state, batches, mesh, batch_size: int) -> tuple[float, float]:
-    """Mean loss over every validation row on every device: (sum of losses) / (sum of weights)."""
+def evaluate(eval_step, state, batches, mesh, batch_size: int) -> tuple[float, float, dict[str, float]]:
+    """Mean loss over every validation row on every device: (sum of losses) / (sum of weights), the weight, and the
+    mean of each of the loss's own metrics (its third value, if any) per unit of weight."""
     pending = [eval_step(state, parallel.shard_batch(local, mesh, batch_size)) for local in batches]
     loss_sum = weight_sum = 0.0
-    for loss, weight in jax.device_get(pending):
+    sums: dict[str, float] = {}
+    for loss, weight, *extra in jax.device_get(pending):
         loss_sum += float(loss)
         weight_sum += float(weight)
-    return loss_sum / max(weight_sum, 1.0), weight_sum
+        for k, v in (extra[0] if extra else {}).items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+    return loss_sum / max(weight_sum, 1.0), weight_sum, {k: v / max(weight_sum, 1.0) for k, v in sums.items()}
 
 
 class Checkpoint(Periodic):

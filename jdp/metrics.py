@@ -337,6 +337,9 @@ def step_ranges(missing: list[int], log_every: int, eval_every: int) -> str:
     return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs if r)
 
 
+STEP_METRICS = ("loss", "grad_norm", "lr", "tokens", "skipped")  # the step's own; any other is the loss's (rewards/...)
+
+
 class StepMeter:
     """Turns each finished step's metrics into metrics.jsonl records: throughput and MFU since the previous record
     (the interval that includes compilation reports none), data wait, and the non-finite steps skipped."""
@@ -390,6 +393,7 @@ class StepMeter:
                 "skipped_total": self.bad_total,
                 **self.stats_of(step),
                 **outer,
+                **{k: v for k, v in m.items() if k not in STEP_METRICS and not k.startswith("outer_")},  # the loss's
             }
             self.wait, self.skipped = data_wait_s, 0
         if self.t is None or tps is not None:

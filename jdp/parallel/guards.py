@@ -64,16 +64,29 @@ def _shape_of(x) -> str:
 
 
 def checked_loss(loss_fn: LossFn) -> LossFn:
-    """loss_fn, refusing (while the step traces it) an output that is not the contract's two scalars."""
+    """loss_fn as (loss sum, weight sum, metric sums), refusing (while the step traces it) an output that is not the
+    contract's two scalars, or two scalars and a dict of scalar sums (metrics reported as their mean per unit of
+    weight over every device: `rewards/chosen`, ...); a loss of two gives an empty dict."""
 
     @functools.wraps(loss_fn)
     def loss(model, batch):
         out = loss_fn(model, batch)
-        pair = isinstance(out, tuple | list) and len(out) == 2
-        if pair and all(isinstance(x, int | float) or getattr(x, "shape", None) == () for x in out):
-            return out
+        scalar = lambda x: isinstance(x, int | float) or getattr(x, "shape", None) == ()  # noqa: E731
+        pair = isinstance(out, tuple | list) and len(out) in (2, 3)
+        if pair and all(scalar(x) for x in out[:2]):
+            if len(out) == 2:
+                return out[0], out[1], {}
+            if isinstance(out[2], dict) and all(isinstance(k, str) and scalar(v) for k, v in out[2].items()):
+                return out[0], out[1], dict(out[2])
+            raise ConfigError(
+                f"loss_fn's third value must be a dict of scalar sums over its rows ({{'rewards/chosen': ...}}), "
+                f"reported as their mean per unit of weight; {getattr(loss_fn, '__name__', 'loss_fn')} returned "
+                f"{type(out[2]).__name__}"
+                + (f" ({', '.join(f'{k}: {_shape_of(v)}' for k, v in out[2].items())})" if isinstance(out[2], dict) else "")
+            )  # fmt: skip
         if pair:
-            got = f"a pair ({_shape_of(out[0])}, {_shape_of(out[1])}), not two scalars"
+            what = "a pair" if len(out) == 2 else "a triple starting"
+            got = f"{what} ({_shape_of(out[0])}, {_shape_of(out[1])}), not two scalars"
         elif isinstance(out, tuple | list):
             got = f"a {type(out).__name__} of {len(out)}: ({', '.join(_shape_of(x) for x in out)})"
         else:

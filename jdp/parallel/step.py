@@ -328,11 +328,11 @@ def keep_if(ok, new, old):
 
 
 def local_sums(graphdef, loss_fn: LossFn, grad_accum: int, forward=None, axes=AXIS):
-    """Per device: (params, rest, rows, step) -> (grad of loss sum, loss sum, weight sum, new rest) over its rows,
-    in grad_accum micro-batches. Every forward updates the model's other variables (BatchNorm's running
+    """Per device: (params, rest, rows, step) -> (grad of loss sum, loss sum, weight sum, new rest, metric sums) over
+    its rows, in grad_accum micro-batches (metric sums: the loss's own, guards.checked_loss). Every forward updates the model's other variables (BatchNorm's running
     statistics), the micro-batches one after the other, as PyTorch's would; the new rest is replicated.
 
-    forward(loss_fn, params, rest, micro) -> (loss, (weight, new rest)), if given, runs each forward from this
+    forward(loss_fn, params, rest, micro) -> (loss, (weight, new rest, metric sums)), if given, runs each forward from this
     device's parameters (fsdp's: its rows, gathered block by block); they are this device's own already, so no
     per-device view is taken. axes: the mesh axes the batch is split over (hsdp's: `replica` and `shard`)."""
     if not isinstance(grad_accum, int | np.integer) or grad_accum < 1:
@@ -345,14 +345,14 @@ def local_sums(graphdef, loss_fn: LossFn, grad_accum: int, forward=None, axes=AX
         # variables; `sums` puts it back into the state untouched.
         whole = rest if base is None else nnx.merge_state(base, rest)
         if forward is not None:
-            loss, (weight, new) = forward(loss_fn, params, whole, micro)
+            loss, (weight, new, extra) = forward(loss_fn, params, whole, micro)
         else:
             # New variables, made in this trace (copy=True): the forward may write them (BatchNorm's statistics, the
             # rng counts), and NNX refuses writes to variables that come from an outer trace.
             model = nnx.merge(graphdef, params, whole, copy=True)
-            loss, weight = loss_fn(model, micro)
+            loss, weight, extra = loss_fn(model, micro)
             new = nnx.split(model, nnx.Param, ...)[2]
-        return loss, (weight, new if base is None else adapters.split_frozen(new)[1])
+        return loss, (weight, new if base is None else adapters.split_frozen(new)[1], extra)
 
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
 
@@ -360,8 +360,8 @@ def local_sums(graphdef, loss_fn: LossFn, grad_accum: int, forward=None, axes=AX
         base, others = adapters.split_frozen(rest)
         if not jax.tree.leaves(base):
             return trained(params, rest, batch, step, None)
-        grads, loss, weight, new = trained(params, others, batch, step, base)
-        return grads, loss, weight, adapters.with_frozen(rest, new)
+        grads, loss, weight, new, extra = trained(params, others, batch, step, base)
+        return grads, loss, weight, adapters.with_frozen(rest, new), extra
 
     def trained(params, rest, batch, step, base):
         # Differentiate with respect to a per-device ("varying") view of the replicated parameters.
@@ -375,8 +375,8 @@ def local_sums(graphdef, loss_fn: LossFn, grad_accum: int, forward=None, axes=AX
             # No loop: the gradients leave backward one layer at a time, so each bucket's all-reduce can start
             # while earlier layers are still being differentiated.
             seeded = _seeded(rest, step, None, first + jnp.arange(rows), axes)
-            (loss, (weight, new)), grads = grad_fn(params, seeded, batch, base)
-            return grads, loss, weight, _replicated(_unseeded(new, rest), rest, axes)
+            (loss, (weight, new, extra)), grads = grad_fn(params, seeded, batch, base)
+            return grads, loss, weight, _replicated(_unseeded(new, rest), rest, axes), extra
         # Micro-batch m holds rows m, m + grad_accum, m + 2 grad_accum, ... of each device: over the devices,
         # the global rows congruent to m, whatever the device count, so batch statistics (SyncBatchNorm) and
         # RowDropout's masks are those of one device running the same global batch.
@@ -387,9 +387,10 @@ def local_sums(graphdef, loss_fn: LossFn, grad_accum: int, forward=None, axes=AX
         def one(carry, xs):
             mb, m = xs
             g_acc, l_acc, w_acc, state = carry
-            (loss, (weight, new)), grads = grad_fn(params, _seeded(state, step, m, first + m + strided, axes), mb, base)
+            seeded = _seeded(state, step, m, first + m + strided, axes)
+            (loss, (weight, new, extra)), grads = grad_fn(params, seeded, mb, base)
             new = _per_device(_unseeded(new, state), axes)
-            return (jax.tree.map(jnp.add, g_acc, grads), l_acc + loss, w_acc + weight, new), None
+            return (jax.tree.map(jnp.add, g_acc, grads), l_acc + loss, w_acc + weight, new), extra
 
         zero = (
             jax.tree.map(jnp.zeros_like, params),
@@ -398,8 +399,9 @@ def local_sums(graphdef, loss_fn: LossFn, grad_accum: int, forward=None, axes=AX
             _per_device(rest, axes),
         )
         # Micro-batches accumulate locally: no collective inside the loop (DDP's no_sync).
-        (grads, loss, weight, new), _ = jax.lax.scan(one, zero, (micro, jnp.arange(grad_accum)))
-        return grads, loss, weight, _replicated(new, rest, axes)
+        (grads, loss, weight, new), extras = jax.lax.scan(one, zero, (micro, jnp.arange(grad_accum)))
+        extra = {k: jnp.sum(v, axis=0) for k, v in extras.items()}  # the loss's metric sums, each micro-batch's
+        return grads, loss, weight, _replicated(new, rest, axes), extra
 
     return sums
 
@@ -421,23 +423,31 @@ def _reduce_buckets(grads, buckets: list[Bucket], hook: CommHook, comm, step, n_
     return jax.tree.unflatten(tree, out), (new_comm if comm is not None else None)
 
 
+def reduced_sums(loss_sum, weight_sum, extra: dict, axes=AXIS):
+    """One small all-reduce of the loss sum, the weight sum and the loss's metric sums: (global mean loss, global
+    weight, each metric's global mean per unit of weight)."""
+    names = sorted(extra)
+    total = jax.lax.psum(jnp.stack([loss_sum, weight_sum, *(jnp.asarray(extra[k], jnp.float32) for k in names)]), axes)
+    weight = total[1]
+    return total[0] / weight, weight, {k: total[2 + i] / weight for i, k in enumerate(names)}
+
+
 def global_grads(
     graphdef, loss_fn: LossFn, n_devices: int, grad_accum: int, bucket_mb: float, reduce_dtype: str,
     hook: CommHook | None = None,
 ):  # fmt: skip
     """Per-device function: (params, rest, local rows, step[, hook states]) -> (gradient of the global mean loss,
-    loss, weight, new rest[, new hook states])."""
+    loss, weight, new rest, metrics[, new hook states])."""
     sums = local_sums(graphdef, loss_fn, grad_accum)
     stateful = hook is not None
     hook = hook or Mean(reduce_dtype)
 
     def grads_of(params, rest, batch, step, comm=None):
-        grads_sum, loss_sum, weight_sum, new_rest = sums(params, rest, batch, step)
+        grads_sum, loss_sum, weight_sum, new_rest, extra = sums(params, rest, batch, step)
         micro = {k: jax.ShapeDtypeStruct((v.shape[0] // grad_accum, *v.shape[1:]), v.dtype) for k, v in batch.items()}
         buckets = bucket_plan(graphdef, loss_fn, params, rest, micro, bucket_mb, reduce_dtype)
-        # Loss and token count travel together in one small all-reduce.
-        loss_total, weight = jax.lax.psum(jnp.stack([loss_sum, weight_sum]), AXIS)
-        loss = loss_total / weight
+        # Loss, token count and the loss's metrics travel together in one small all-reduce.
+        loss, weight, extra = reduced_sums(loss_sum, weight_sum, extra)
         # The gradient all-reduces of the step, one per bucket. Each device holds the gradient of the *sum*
         # of the losses on its own rows; pmean gives sum_over_devices / n, so multiplying by n / (global
         # token weight) yields exactly the gradient of the global token-weighted mean loss, the same as one
@@ -445,17 +455,17 @@ def global_grads(
         scale = jnp.where(weight > 0, n_devices / weight, 0.0)
         averaged, comm = _reduce_buckets(grads_sum, buckets, hook, comm, step, n_devices)
         grads = jax.tree.map(lambda g: g * scale, averaged)
-        return (grads, loss, weight, new_rest, comm) if stateful else (grads, loss, weight, new_rest)
+        return (grads, loss, weight, new_rest, extra, comm) if stateful else (grads, loss, weight, new_rest, extra)
 
     return grads_of
 
 
-def update(optimizer, schedule, state: TrainState, grads, loss, weight, rest, comm=None):
+def update(optimizer, schedule, state: TrainState, grads, loss, weight, rest, comm=None, extra=None):
     """The optimizer step on (globally averaged) gradients: new state and metrics. Shared by ddp and dp.
     rest: the model's other variables after the forward; comm: the hook's new states. Both are kept only if the
-    update is applied (a skipped step leaves them as they were, like the parameters)."""
+    update is applied (a skipped step leaves them as they were, like the parameters). extra: the loss's metrics."""
     params, opt_state, metrics = apply_update(
-        optimizer, schedule, state.step, state.params, state.opt_state, grads, loss, weight
+        optimizer, schedule, state.step, state.params, state.opt_state, grads, loss, weight, extra=extra
     )
     ok = metrics["skipped"] == 0
     rest = keep_if(ok, rest, state.rest)
@@ -465,10 +475,11 @@ def update(optimizer, schedule, state: TrainState, grads, loss, weight, rest, co
 
 
 def apply_update(optimizer, schedule, step, params, opt_state, grads, loss, weight, layout=None, shapes=None,
-                 mesh=None):  # fmt: skip
+                 mesh=None, extra=None):  # fmt: skip
     """optax's update and the skip guard: (new params, new optimizer state, metrics). Under zero1 and fsdp the
     arrays are `layout`'s views (OptLayout) of parameters shaped `shapes`, split over `mesh`; the norm is still
-    the whole gradient's, and an optimizer that needs whole matrices (Muon) asks the layout for them."""
+    the whole gradient's, and an optimizer that needs whole matrices (Muon) asks the layout for them. extra: the
+    loss's own metrics (global means), reported beside jdp's."""
     grad_norm = optax.tree.norm(grads)
     # A non-finite loss or gradient skips the update (as PyTorch's GradScaler does). These values come after
     # the all-reduce, so every replica takes the same decision; the batch still counts as consumed (state.step
@@ -485,7 +496,8 @@ def apply_update(optimizer, schedule, step, params, opt_state, grads, loss, weig
         return optax.apply_updates(params, updates), new_opt_state
 
     new_params, new_opt_state = jax.lax.cond(ok, updated, lambda p, o: (p, o), params, opt_state)
-    metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": weight, "skipped": 1 - ok.astype(jnp.int32)}
+    metrics = {**(extra or {}), "loss": loss, "grad_norm": grad_norm, "tokens": weight,
+               "skipped": 1 - ok.astype(jnp.int32)}  # fmt: skip
     if schedule is not None:
         metrics["lr"] = jnp.asarray(schedule(step), jnp.float32)
     elif (lr := injected_lr(new_opt_state)) is not None:  # optax.inject_hyperparams: the rate this update used
@@ -544,21 +556,23 @@ def make_eval_step(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh, model_of=
 
         def step(params, rest, batch: Batch):
             if "valid" not in batch:
-                loss, weight = loss_fn(merge(params, rest), batch)
+                loss, weight, extra = loss_fn(merge(params, rest), batch)
             else:
                 rows = {k: v for k, v in batch.items() if k != "valid"}
                 # The model is built inside the per-row function, so a layer that writes a variable writes its own
                 # copy.
                 one = lambda row: loss_fn(merge(params, rest), jax.tree.map(lambda x: x[None], row))  # noqa: E731
-                losses, weights = jax.vmap(one)(rows)
+                losses, weights, extras = jax.vmap(one)(rows)
                 valid = batch["valid"].astype(jnp.float32) > 0
-                loss = jnp.sum(jnp.where(valid, losses, 0.0))  # a padding row's loss, even NaN, never counts
-                weight = jnp.sum(jnp.where(valid, weights, 0.0))
-            return jax.lax.psum(loss, axes), jax.lax.psum(weight, axes)
+                kept = lambda x: jnp.sum(jnp.where(valid, x, 0.0))  # noqa: E731  (a padding row's, even NaN, never counts)
+                loss, weight, extra = kept(losses), kept(weights), {k: kept(v) for k, v in extras.items()}
+            if not extra:  # (loss sum, weight sum), as it always was
+                return jax.lax.psum(loss, axes), jax.lax.psum(weight, axes)
+            return jax.lax.psum(loss, axes), jax.lax.psum(weight, axes), jax.lax.psum(extra, axes)
 
         spec = P() if shapes is None else jax.tree.map(lambda x: P(shard_axis(mesh)) if x.ndim else P(), params)
         rest_spec = P() if layout is None else layout.rest_specs(rest, mesh)
-        sharded = jax.shard_map(step, mesh=mesh, in_specs=(spec, rest_spec, P(axes)), out_specs=(P(), P()))
+        sharded = jax.shard_map(step, mesh=mesh, in_specs=(spec, rest_spec, P(axes)), out_specs=P())
         return sharded(params, rest, batch)
 
     def eval_step(params, rest, batch, shapes):

@@ -98,9 +98,9 @@ def make_step(
         grads_of = global_grads(graphdef, loss_fn, n, grad_accum, bucket_mb, reduce_dtype)
 
         def step(state: TrainState, batch: Batch):
-            grads, loss, weight, rest = grads_of(state.params, state.rest, batch, state.step)
+            grads, loss, weight, rest, extra = grads_of(state.params, state.rest, batch, state.step)
             # Every replica applies the identical update to identical parameters: they stay bit-identical.
-            return update(optimizer, schedule, state, grads, loss, weight, rest)
+            return update(optimizer, schedule, state, grads, loss, weight, rest, extra=extra)
 
         return jax.shard_map(step, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(), P()), check_vma=check_vma)
 
@@ -116,9 +116,9 @@ def make_step(
             )
         # Each device sees its own hook states with a leading axis of 1.
         mine = jax.tree.map(lambda x: x[0], state.comm)
-        grads, loss, weight, rest, comm = grads_of(state.params, state.rest, batch, state.step, mine)
+        grads, loss, weight, rest, extra, comm = grads_of(state.params, state.rest, batch, state.step, mine)
         mine = dataclasses.replace(state, comm=mine)
-        new, metrics = update(optimizer, schedule, mine, grads, loss, weight, rest, comm)
+        new, metrics = update(optimizer, schedule, mine, grads, loss, weight, rest, comm, extra)
         return dataclasses.replace(new, comm=jax.tree.map(lambda x: x[None], new.comm)), metrics
 
     spec = TrainState(P(), P(), P(), P(), P(AXIS))

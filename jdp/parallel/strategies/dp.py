@@ -63,18 +63,19 @@ def make_train_step(
     master = jax.sharding.SingleDeviceSharding(master_device(mesh))
 
     def per_device(params, rest, step, batch):
-        grads, loss, weight, rest = sums(params, rest, batch, step)
-        stacked = jax.tree.map(lambda x: x[None], (grads, loss, weight))  # stacked along `data`, not reduced
+        grads, loss, weight, rest, extra = sums(params, rest, batch, step)
+        stacked = jax.tree.map(lambda x: x[None], (grads, loss, weight, extra))  # stacked along `data`, not reduced
         return stacked, rest  # the model's other variables, already averaged (step.local_sums)
 
     local = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P(), P(AXIS)), out_specs=(P(AXIS), P()))
     local = jax.jit(checking_rows(local, mesh.devices.size, grad_accum))
 
     def on_master(state: TrainState, stacked, rest):
-        grads, loss, weight = jax.tree.map(lambda x: jnp.sum(x, axis=0), stacked)  # the master sums them
+        grads, loss, weight, extra = jax.tree.map(lambda x: jnp.sum(x, axis=0), stacked)  # the master sums them
         scale = jnp.where(weight > 0, 1.0 / weight, 0.0)
         grads = jax.tree.map(lambda g: g * scale, grads)
-        return update(optimizer, schedule, state, grads, loss / weight, weight, rest)
+        extra = {k: v / weight for k, v in extra.items()}
+        return update(optimizer, schedule, state, grads, loss / weight, weight, rest, extra=extra)
 
     on_master = jax.jit(on_master, donate_argnums=0)
 

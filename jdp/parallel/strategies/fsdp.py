@@ -34,7 +34,16 @@ from jdp.parallel.comm_hooks import CommHook
 from jdp.parallel.costs import Buckets, Collectives, Memory, Traffic, tree_bytes
 from jdp.parallel.guards import RefusingDonated, check_batch
 from jdp.parallel.mesh import GROUP, REPLICA, Batch, batch_axes, replicated, shard_axis, shard_count
-from jdp.parallel.step import LossFn, OptLayout, TrainState, apply_update, keep_if, local_sums, param_names
+from jdp.parallel.step import (
+    LossFn,
+    OptLayout,
+    TrainState,
+    apply_update,
+    keep_if,
+    local_sums,
+    param_names,
+    reduced_sums,
+)
 
 __all__ = [
     "LAYOUT", "Rows", "Units", "base_bytes", "base_rows", "block_policy", "layout", "make_eval_step", "make_step",
@@ -682,9 +691,9 @@ def split_step(
             if grad_accum > 1:
                 params, _ = jax.lax.optimization_barrier((params, micro))
             model, restore = build(params, rest, sinks)
-            loss, weight = loss_fn(model, micro)
+            loss, weight, extra = loss_fn(model, micro)
             restore()
-            return loss, (weight, nnx.split(model, nnx.Param, ...)[2])
+            return loss, (weight, nnx.split(model, nnx.Param, ...)[2], extra)
 
         sums = local_sums(graphdef, loss_fn, grad_accum, forward=forward, axes=axes.batch)
 
@@ -697,30 +706,30 @@ def split_step(
             def sunk(loss_fn, sinks, rest, micro):
                 return forward(loss_fn, params, rest, micro, sinks)
 
-            whole, loss_sum, weight_sum, new_rest = local_sums(
+            whole, loss_sum, weight_sum, new_rest, extra = local_sums(
                 graphdef, loss_fn, grad_accum, forward=sunk, axes=axes.batch
             )(sinks, rest, batch, step)
             rows = units.scatter(whole, [x.dtype for x in leaves], reduce_dtype)
-            return jax.tree.unflatten(tree, rows), loss_sum, weight_sum, new_rest
+            return jax.tree.unflatten(tree, rows), loss_sum, weight_sum, new_rest, extra
 
         def grads_of(params, rest, step, batch):
             summed = unsharded_sums if unsharded and grad_accum > 1 else sums
-            grads_sum, loss_sum, weight_sum, new_rest = summed(params, rest, batch, step)
-            loss_total, weight = jax.lax.psum(jnp.stack([loss_sum, weight_sum]), axes.batch)
+            grads_sum, loss_sum, weight_sum, new_rest, extra = summed(params, rest, batch, step)
+            loss, weight, extra = reduced_sums(loss_sum, weight_sum, extra, axes.batch)
             # Each device holds the sum over devices of its rows' gradients (the gathers' backward); dividing by
             # the global token weight gives the gradient of the global token-weighted mean loss, as under ddp.
             scale = jnp.where(weight > 0, 1.0 / weight, 0.0)
-            return jax.tree.map(lambda g: g * scale, grads_sum), loss_total / weight, weight, new_rest
+            return jax.tree.map(lambda g: g * scale, grads_sum), loss, weight, new_rest, extra
 
         specs, rest_specs = _specs(state.params, mesh), lay.rest_specs(state.rest, mesh)
         sharded = jax.shard_map(
             grads_of, mesh=mesh, in_specs=(specs, rest_specs, P(), P(axes.batch)),
-            out_specs=(specs, P(), P(), rest_specs), check_vma=check_vma,
+            out_specs=(specs, P(), P(), rest_specs, P()), check_vma=check_vma,
         )  # fmt: skip
-        grads, loss, weight, rest = sharded(state.params, state.rest, state.step, batch)
+        grads, loss, weight, rest, extra = sharded(state.params, state.rest, state.step, batch)
         params, opt_state, metrics = apply_update(
             optimizer, schedule, state.step, state.params, state.opt_state, grads, loss, weight, lay,
-            state.param_shapes(), mesh,
+            state.param_shapes(), mesh, extra,
         )
         params = jax.lax.with_sharding_constraint(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
         opt_state = jax.lax.with_sharding_constraint(opt_state, lay.shardings(expected, mesh))

@@ -20,7 +20,7 @@ from jdp.parallel.comm_hooks import CommHook
 from jdp.parallel.costs import Buckets, Collectives, Memory, Traffic, tree_bytes
 from jdp.parallel.guards import RefusingDonated, check_batch
 from jdp.parallel.mesh import AXIS, Batch, replicated, split_spec
-from jdp.parallel.step import LossFn, OptLayout, TrainState, apply_update, keep_if, local_sums, micro_spec
+from jdp.parallel.step import LossFn, OptLayout, TrainState, apply_update, keep_if, local_sums, micro_spec, reduced_sums
 
 __all__ = ["LAYOUT", "Slices", "layout", "make_step", "make_train_step", "opt_shardings", "state_bytes", "traffic"]
 
@@ -204,25 +204,26 @@ def make_step(
         def grads_of(params, rest, step, batch):
             micro = micro_spec(batch, 1, grad_accum)
             planned.append(buckets := bucket_plan(graphdef, loss_fn, params, rest, micro, bucket_mb, reduce_dtype))
-            grads_sum, loss_sum, weight_sum, new_rest = sums(params, rest, batch, step)
-            loss_total, weight = jax.lax.psum(jnp.stack([loss_sum, weight_sum]), AXIS)
+            grads_sum, loss_sum, weight_sum, new_rest, extra = sums(params, rest, batch, step)
+            loss, weight, extra = reduced_sums(loss_sum, weight_sum, extra)
             # The reduce-scatter sums over devices; dividing by the global token weight gives exactly the
             # gradient of the global token-weighted mean loss, as ddp's pmean times n / weight does.
             scale = jnp.where(weight > 0, 1.0 / weight, 0.0)
             mine = jax.tree.map(lambda g: g * scale, _scatter_buckets(grads_sum, buckets, reduce_dtype, n))
-            return mine, loss_total / weight, weight, new_rest
+            return mine, loss, weight, new_rest, extra
 
         specs = jax.tree.map(lambda x: split_spec(max(x.ndim, 1)), state.params)
         scatter = jax.shard_map(
-            grads_of, mesh=mesh, in_specs=(P(), P(), P(), P(AXIS)), out_specs=(specs, P(), P(), P()),
+            grads_of, mesh=mesh, in_specs=(P(), P(), P(), P(AXIS)), out_specs=(specs, P(), P(), P(), P()),
             check_vma=check_vma,
         )
-        grads, loss, weight, rest = scatter(state.params, state.rest, state.step, batch)
+        grads, loss, weight, rest, extra = scatter(state.params, state.rest, state.step, batch)
         buckets = planned[-1]
         split = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
         params = jax.lax.with_sharding_constraint(layout.view(state.params), split)  # each device's own slice
         params, opt_state, metrics = apply_update(
-            optimizer, schedule, state.step, params, state.opt_state, grads, loss, weight, layout, state.params, mesh
+            optimizer, schedule, state.step, params, state.opt_state, grads, loss, weight, layout, state.params, mesh,
+            extra,
         )
         opt_state = jax.lax.with_sharding_constraint(opt_state, layout.shardings(expected, mesh))  # stays split
         # check_vma=False: all_gather's result is typed per-device, but every device holds the same values.
