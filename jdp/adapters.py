@@ -15,6 +15,7 @@ the kernels (W + scale A B) for a plain model (`jdp export` without --adapter).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterable
 
@@ -25,8 +26,8 @@ from flax import nnx
 
 from jdp.nn import Frozen, RowDropout
 
-__all__ = ["LoRALinear", "add", "frozen", "has_adapters", "linear_paths", "lora_layers", "merged", "scale_of", "split_frozen",
-           "with_frozen"]
+__all__ = ["LoRALinear", "add", "disabled", "frozen", "has_adapters", "linear_paths", "lora_layers", "merged", "put_at",
+           "scale_of", "split_frozen", "with_frozen"]
 
 Path = tuple  # a module's attribute path from the model: ("blocks", 0, "attn", "q")
 
@@ -54,9 +55,12 @@ class LoRALinear(nnx.Linear):
         self.lora_b = nnx.LoRAParam(jnp.zeros((rank, base.out_features), base.param_dtype))
         self.lora_scale = float(scale)
         self.lora_dropout = RowDropout(dropout, rngs=rngs) if dropout > 0 else None
+        self.lora_off = False  # `disabled`: the base layer alone (read when the forward is traced)
 
     def __call__(self, inputs: jax.Array, *args, **kwargs) -> jax.Array:
         y = super().__call__(inputs, *args, **kwargs)
+        if self.lora_off:
+            return y
         x = inputs if self.lora_dropout is None else _row_dropout(self.lora_dropout, inputs)
         x, a, b = self.promote_dtype((x, self.lora_a[...], self.lora_b[...]), dtype=self.dtype)
         return y + ((x @ a) @ b) * jnp.asarray(self.lora_scale, y.dtype)
@@ -88,7 +92,7 @@ def _at(model, path: Path):
     return model
 
 
-def _put(model, path: Path, value) -> None:
+def put_at(model, path: Path, value) -> None:
     parent = _at(model, path[:-1])
     if isinstance(path[-1], int):
         parent[path[-1]] = value
@@ -131,11 +135,11 @@ def add(
         layer = _at(model, path)
         if isinstance(layer, LoRALinear):
             raise ValueError(f"{'.'.join(map(str, path))} already has an adapter")
-        _put(model, path, LoRALinear(layer, rank, scale, dropout, base_dtype, rngs))
+        put_at(model, path, LoRALinear(layer, rank, scale, dropout, base_dtype, rngs))
     for path, node in list(nnx.iter_graph(model)):
         path = tuple(path)
         if isinstance(node, nnx.Param) and not isinstance(node, nnx.LoRAParam) and not keep(path[:-1]):
-            _put(model, path, _frozen(node, base_dtype))
+            put_at(model, path, _frozen(node, base_dtype))
     return model
 
 
@@ -161,6 +165,21 @@ def lora_layers(model: nnx.Module) -> list[tuple[Path, LoRALinear]]:
 
 def has_adapters(model: nnx.Module) -> bool:
     return bool(lora_layers(model))
+
+
+@contextlib.contextmanager
+def disabled(model: nnx.Module):
+    """Every adapter of `model` off inside the block: the frozen base model alone (PEFT's disable_adapter; the
+    preference objectives' reference, jdp/preference.py). A switch of the traced program, not a value: a forward
+    traced inside the block has no adapter in it. Use it on a model made inside the trace (jdp's step does)."""
+    layers = [layer for _, layer in lora_layers(model)]
+    for layer in layers:
+        layer.lora_off = True
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.lora_off = False
 
 
 def split_frozen(rest: nnx.State) -> tuple[nnx.State, nnx.State]:
@@ -193,8 +212,8 @@ def merged(model: nnx.Module) -> nnx.Module:
         plain.kernel = nnx.Param(jnp.asarray(kernel, layer.param_dtype))
         if layer.bias is not None:
             plain.bias = nnx.Param(jnp.asarray(layer.bias[...], layer.param_dtype))
-        _put(model, path, plain)
+        put_at(model, path, plain)
     for path, node in list(nnx.iter_graph(model)):
         if isinstance(node, Frozen):
-            _put(model, tuple(path), nnx.Param(jnp.asarray(node[...], jnp.float32)))
+            put_at(model, tuple(path), nnx.Param(jnp.asarray(node[...], jnp.float32)))
     return model

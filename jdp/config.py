@@ -153,6 +153,16 @@ class TrainConfig:
     live_min: int = 1  # train.live: members a step needs (fewer: the step waits for joiners)
     live_timeout_s: float = 10.0  # train.live: a member's all-reduce or RPC silent this long is lost
     lighthouse: str = ""  # train.live: torchft Lighthouse address (default: the TORCHFT_LIGHTHOUSE variable)
+    # The loss: lm (next-token, on the text or the answers), or dpo, ipo, simpo, orpo on data.format=preference's
+    # pairs, as TRL defines each (jdp/preference.py, docs/preference.md)
+    objective: str = "lm"
+    beta: float = 0.1  # dpo, ipo, simpo: beta (TRL's beta)
+    label_smoothing: float = 0.0  # dpo, simpo: the chance a pair's labels are flipped (cDPO's epsilon)
+    simpo_gamma: float = 0.5  # simpo: gamma, the target reward margin (TRL's simpo_gamma)
+    orpo_lambda: float = 0.1  # orpo: lambda, the odds-ratio term's weight (TRL's ORPOConfig.beta)
+    # dpo, ipo: the reference's log-probabilities of every pair computed once, before the first step, and kept in
+    # RUN_DIR/reference_logps.npz (no reference in memory or in the step: TRL's precompute_ref_log_probs)
+    precompute_reference: bool = False
 
 
 @dataclass(frozen=True)
@@ -508,6 +518,9 @@ RANGES = {
     "optim.muon_ns_coeffs": (_coeffs_ok, "3 numbers (a,b,c of every Newton-Schulz step) or 3 per step"),
     "optim.min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "parallel.powersgd_min_ratio": (lambda v: v >= 1, ">= 1 (compression must not grow a gradient)"),
+    "train.beta": (lambda v: v > 0, "> 0"),
+    "train.label_smoothing": (lambda v: 0 <= v < 0.5, "in [0, 0.5) (0.5 would make chosen and rejected alike)"),
+    "train.orpo_lambda": (lambda v: v >= 0, ">= 0"),
 }  # fmt: skip
 CHOICES = {
     "model.dtype": DTYPES,
@@ -521,6 +534,7 @@ CHOICES = {
     "data.document_attention": ("auto", "across", "within"),
     "data.format": formats.names,  # jdp's formats, those registered later too
     "data.overlong": ("truncate", "drop"),
+    "train.objective": ("lm", "dpo", "ipo", "simpo", "orpo"),  # jdp/preference.py's OBJECTIVES
     "optim.name": ("adamw", "sgd", "muon"),
     "optim.muon_scale": ("rms", "width"),
     "parallel.strategy": strategies.names,  # looked up at each check: a strategy registered later counts
@@ -612,6 +626,11 @@ READ_ONLY_UNDER = (
     (("model.remat_every",), "model.remat", ("dots", "full")),
     (("train.live_",), "train.live", (True,)),
     (("train.lighthouse",), "train.live", (True,)),
+    (("train.beta",), "train.objective", ("dpo", "ipo", "simpo")),
+    (("train.label_smoothing",), "train.objective", ("dpo", "simpo")),
+    (("train.simpo_gamma",), "train.objective", ("simpo",)),
+    (("train.orpo_lambda",), "train.objective", ("orpo",)),
+    (("train.precompute_reference",), "train.objective", ("dpo", "ipo")),
 )
 
 
@@ -675,6 +694,31 @@ def lora_problems(cfg: Config) -> list[str]:
     return out
 
 
+def objective_problems(cfg: Config) -> list[str]:
+    """train.objective against the data and the settings a preference objective does not go with yet, by name."""
+    t, d = cfg.train, cfg.data
+    if t.objective == "lm":
+        if d.format == "preference":
+            return ["data.format=preference holds pairs for a preference objective: set train.objective=dpo (or ipo, "
+                    "simpo, orpo; docs/preference.md)"]  # fmt: skip
+        return []
+    out = []
+    if d.format != "preference" or d.sources:
+        out.append(f"train.objective={t.objective} trains on pairs of a chosen and a rejected answer: set "
+                   f"data.format=preference and data.source to them (one source; docs/preference.md)")  # fmt: skip
+    if d.document_attention == "within":
+        out.append(f"data.document_attention=within with train.objective={t.objective}: each sequence of a pair is "
+                   f"one document already; leave it at auto")  # fmt: skip
+    if t.live:
+        out.append(f"train.live=true with train.objective={t.objective}: live membership trains the lm objective "
+                   f"only (docs/live.md)")  # fmt: skip
+    if t.objective in ("dpo", "ipo") and t.init_adapter:
+        out.append(f"train.init_adapter with train.objective={t.objective}: the reference would be the base with the "
+                   f"adapters off, not the adapter you start from; merge it into the base first (jdp export) or "
+                   f"train a new adapter")  # fmt: skip
+    return out
+
+
 def check(cfg: Config) -> None:
     """The config's values alone (choices, ranges, the optimizer's keys), before anything is built from them: what
     `jdp train` and `jdp allreduce` ask first, so a typo is one line, never a traceback. validate() asks it again."""
@@ -687,7 +731,7 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Derived:
     m, d, t, par = cfg.model, cfg.data, cfg.train, cfg.parallel
     problems = _value_problems(cfg) + models.problems(m) + mixture_problems(d) + optim_problems(cfg.optim)
     problems += unread_problems(cfg)
-    problems += lora_problems(cfg)
+    problems += lora_problems(cfg) + objective_problems(cfg)
     if d.streaming and d.format in formats.names() and not (fmt := formats.get(d.format)).streams:
         problems.append(f"data.format={d.format} with data.streaming=true: streamed {fmt.what} is not supported yet")
     if d.seq_len > m.max_seq_len:

@@ -4,12 +4,14 @@ loss and the text pipeline, handed to the trainer; everything else (the loop, ch
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 
 import jax
 import numpy as np
 from flax import nnx
 
-from jdp import hf, live, peft
+from jdp import hf, live, peft, preference
 from jdp.build import comm_hook, run_model
 from jdp.config import Config, ConfigError, Derived, check
 from jdp.data.dataset import Source
@@ -27,6 +29,7 @@ from jdp.trainer import Trainer
 __all__ = ["LanguageModel", "Text", "checked_import", "no_model_to_fine_tune", "train"]
 
 log = logger("jdp.lm")
+REFERENCE_FILE = "reference_logps.npz"  # train.precompute_reference's, in the run directory
 
 
 def train(cfg: Config, world: World | None = None, explicit: frozenset[str] = frozenset()) -> dict:
@@ -48,13 +51,16 @@ class LanguageModel(Trainer):
     def __init__(self, cfg: Config, world: World | None = None, adopted: list[str] = (), handle_signals=True):
         check(cfg)  # before the optimizer is built from it
         optimizer, schedule = make_optimizer(cfg.optim, cfg.train.steps)
-        super().__init__(None, lm_loss, optimizer, None, cfg, schedule=schedule, world=world,
+        super().__init__(None, objective_loss(cfg), optimizer, None, cfg, schedule=schedule, world=world,
                          comm_hook=comm_hook(cfg.parallel, cfg.train.seed), handle_signals=handle_signals)  # fmt: skip
         self.adopted, self.imported = list(adopted), None
+        self.pairs = cfg.train.objective != "lm"  # the loss weight counts pairs (data.format=preference)
+        self.unit = "pairs" if self.pairs else "tokens"
 
     def check(self, mesh: jax.sharding.Mesh) -> Derived:
         derived = Trainer.check(self, mesh)
-        derived = dataclasses.replace(derived, tokens_per_step=self.cfg.train.batch_size * self.cfg.data.seq_len)
+        per_row = 1 if self.pairs else self.cfg.data.seq_len
+        derived = dataclasses.replace(derived, tokens_per_step=self.cfg.train.batch_size * per_row, unit=self.unit)
         check_memory(self.cfg, derived, mesh)  # before anything is allocated: a run too large is refused here
         return derived
 
@@ -75,12 +81,12 @@ class LanguageModel(Trainer):
 
     def make_model(self) -> nnx.Module:
         model, self.imported = run_model(self.cfg)
-        return model
+        return with_reference(model, self.cfg)
 
     def model_factory(self):
         if self.cfg.train.init_from or self.cfg.train.init_adapter:
             return None  # an import's host tensors are placed row by row (OptLayout.place)
-        return lambda: run_model(self.cfg)[0]
+        return lambda: with_reference(run_model(self.cfg)[0], self.cfg)
 
     def describe_model(self, n_params: int, peak: float, peak_source: str) -> str:
         m = self.cfg.model
@@ -91,13 +97,57 @@ class LanguageModel(Trainer):
         return f"{trained} | {flops_per_token(self.cfg) / 1e6:.1f} MFLOPs/token | MFU peak: {peak / 1e12:.3g} TFLOP/s, {peak_source}"
 
     def flops_per_unit(self) -> float:
-        return flops_per_token(self.cfg)
+        # a pair: its two sequences trained (the reference's forward, where there is one, is not counted)
+        return flops_per_token(self.cfg) * (2 * self.cfg.data.seq_len if self.pairs else 1)
+
+    def prepare(self, run_dir, steps, state, resumed_from: int | None, data) -> None:
+        """train.precompute_reference: every pair's reference log-probabilities, computed by the starting model
+        (a fresh run) and kept in RUN_DIR/reference_logps.npz, or read back from there (a resumed one)."""
+        if not (preference.needs_reference(self.cfg.train.objective) and self.cfg.train.precompute_reference):
+            return
+        pairs, path = data.data.train, run_dir.path / REFERENCE_FILE
+        if resumed_from is None:
+            t0 = time.perf_counter()
+            logps = preference.reference_logps(steps.graphdef, state, steps.mesh, steps.strategy,
+                                               pairs.every_pair(data.data.rows), self.cfg.train.batch_size)  # fmt: skip
+            if jax.process_index() == 0:
+                tmp = path.with_name(f"{path.stem}.tmp.npz")
+                np.savez(tmp, **logps)
+                os.replace(tmp, path)
+            log.info(f"train.precompute_reference: the reference's log-probabilities of {len(logps['train']):,} "
+                     f"training and {len(logps['val']):,} validation pairs in {time.perf_counter() - t0:.1f} s, kept "
+                     f"in {path}")  # fmt: skip
+        elif not path.exists():
+            raise ConfigError(f"train.precompute_reference=true: resuming from step {resumed_from}, but {path} "
+                              f"(the reference's log-probabilities, computed at the run's start) is gone; the "
+                              f"trained model cannot give them again: start the run over (train.resume=false)")  # fmt: skip
+        else:
+            with np.load(path) as z:
+                logps = {k: z[k] for k in ("train", "val")}
+        pairs.use_reference(logps)
 
     def announce(self, resumed_from: int | None) -> None:
         if self.imported:
             log.info(self.imported.describe() if resumed_from is None else "train.init_from not used: resuming")
         for change in self.adopted:  # what the import took from config.json
             log.info(change)
+
+
+def objective_loss(cfg: Config):
+    """train.objective's loss: the next-token loss (lm), or a preference objective's on pairs (preference.py)."""
+    t = cfg.train
+    if t.objective == "lm":
+        return lm_loss
+    return preference.make_loss(t.objective, t.beta, t.label_smoothing, t.simpo_gamma, t.orpo_lambda)
+
+
+def with_reference(model: nnx.Module, cfg: Config) -> nnx.Module:
+    """The model, holding a frozen copy of its starting weights where the objective compares with one and no LoRA
+    adapter can be switched off for it (preference.py)."""
+    t = cfg.train
+    if preference.needs_reference(t.objective) and not cfg.model.lora_rank and not t.precompute_reference:
+        return preference.with_reference(model)
+    return model
 
 
 class Text(Source):

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jdp import adapters, models, peft
+from jdp import adapters, models, peft, preference
 from jdp.attention import attention_scores
 from jdp.build import comm_hook
 from jdp.config import (
@@ -106,8 +106,13 @@ def abstract_model(m: ModelConfig) -> nnx.Module:
 
 
 def abstract_state(cfg: Config):
-    """(graphdef, params, rest, optimizer state) as shapes only: nothing is allocated."""
-    graphdef, params, rest = nnx.split(abstract_model(cfg.model), nnx.Param, ...)  # with adapters: what trains
+    """(graphdef, params, rest, optimizer state) as shapes only: nothing is allocated. A preference objective's
+    frozen reference copy (jdp/preference.py; none with LoRA or a precomputed reference) is among the rest."""
+    model = abstract_model(cfg.model)
+    t = cfg.train
+    if preference.needs_reference(t.objective) and not cfg.model.lora_rank and not t.precompute_reference:
+        model = preference.with_reference(model)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # with adapters: what trains
     optimizer, _ = make_optimizer(cfg.optim, cfg.train.steps)
     return graphdef, params, rest, jax.eval_shape(optimizer.init, params)
 
@@ -299,7 +304,8 @@ def device_memory(
     of the two, as fsdp's always do (measured: docs/planning.md#against-the-compiled-step)."""
     strategy = strategy or cfg.parallel.strategy
     held = held_bytes(cfg, strategy, devices, state, grad_accum, frees)
-    memory = held.with_activations(activation_bytes(cfg, micro_batch, fused, strategy, frees))
+    sequences = micro_batch * preference.sequences_per_row(cfg.train.objective)  # a pair: two
+    memory = held.with_activations(activation_bytes(cfg, sequences, fused, strategy, frees))
     return memory.with_late_grads() if frees and cfg.model.remat != "none" else memory
 
 
@@ -424,7 +430,7 @@ class Planner:
 
     def step(self, n: int, per_device_batch: int) -> Step:
         cfg = self.cfg
-        tokens = per_device_batch * cfg.data.seq_len
+        tokens = per_device_batch * cfg.data.seq_len * preference.sequences_per_row(cfg.train.objective)
         flops = (flops_per_token(cfg) + recompute_flops_per_token(cfg)) * tokens  # model.remat's too: time, not MFU
         compute_s = (flops + self.compression_flops) / (self.peak * self.mfu)
         window_s = {"forward": compute_s / 3, "backward": compute_s * 2 / 3}  # backward does twice forward's FLOPs

@@ -1,6 +1,7 @@
 """`jdp plot RUN_DIR [RUN_DIR ...] -o FILE.png`: loss against steps and tokens, and throughput, from metrics.jsonl.
 
-One run or several overlaid (one colour per run; training loss solid, validation loss dashed with markers).
+One run or several overlaid (one colour per run; training loss solid, validation loss dashed with markers). A run
+of a preference objective (docs/preference.md) adds the reward margin (rewards/margins) by step beside them.
 """
 
 from __future__ import annotations
@@ -39,11 +40,16 @@ def load_run(run_dir: Path) -> dict[str, list]:
         "eval_step": [r["step"] for r in evals],
         "eval_tokens": [r["step"] * tokens_per_step for r in evals] if counted else [],
         "eval_loss": [r["eval_loss"] for r in evals],
+        "margin_step": [r["step"] for r in train if "rewards/margins" in r],
+        "margin": [r["rewards/margins"] for r in train if "rewards/margins" in r],
+        "eval_margin_step": [r["step"] for r in evals if "eval_rewards/margins" in r],
+        "eval_margin": [r["eval_rewards/margins"] for r in evals if "eval_rewards/margins" in r],
     }
 
 
 def figure(run_dirs: list[Path]) -> Figure:
-    """The plot of these runs as a matplotlib Figure: loss by step, loss by tokens, and throughput."""
+    """The plot of these runs as a matplotlib Figure: loss by step, loss by tokens, throughput, and the reward margin
+    by step where a run has one."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
@@ -51,7 +57,9 @@ def figure(run_dirs: list[Path]) -> Figure:
     from matplotlib.ticker import FuncFormatter
 
     runs = {d: load_run(d) for d in run_dirs}
-    fig, (by_step, by_tokens, speed) = plt.subplots(1, 3, figsize=(16, 4.5))
+    margins = any(r["margin"] for r in runs.values())
+    fig, axes = plt.subplots(1, 3 + margins, figsize=(16 + 5 * margins, 4.5))
+    by_step, by_tokens, speed = axes[:3]
     for i, (d, r) in enumerate(runs.items()):
         color, name = f"C{i}", _label(d, run_dirs)
         for ax, x, ex in ((by_step, "step", "eval_step"), (by_tokens, "tokens", "eval_tokens")):
@@ -61,6 +69,13 @@ def figure(run_dirs: list[Path]) -> Figure:
             if r["eval_loss"]:
                 ax.plot(r[ex], r["eval_loss"], "o--", color=color, label=f"{name} validation")
         speed.plot(r["tps_step"], r["tps"], color=color, label=name)
+        if margins and r["margin"]:
+            axes[3].plot(r["margin_step"], r["margin"], color=color, label=f"{name} train")
+            if r["eval_margin"]:
+                axes[3].plot(r["eval_margin_step"], r["eval_margin"], "o--", color=color, label=f"{name} validation")
+    if margins:
+        axes[3].set(xlabel="step", ylabel="rewards/margins", title="reward margin (chosen - rejected) by step")
+        axes[3].xaxis.set_major_formatter(FuncFormatter(count_label))
     by_step.set(xlabel="step", ylabel="loss", title="loss by step")
     by_tokens.set(xlabel="tokens", ylabel="loss", title="loss by tokens seen")
     speed.set(xlabel="step", ylabel="tokens / s", title="throughput")
@@ -68,7 +83,7 @@ def figure(run_dirs: list[Path]) -> Figure:
     # matplotlib writes counts below a million in full (100000 200000 ...), and side by side they run together
     for axis in (by_step.xaxis, by_tokens.xaxis, speed.xaxis, speed.yaxis):
         axis.set_major_formatter(FuncFormatter(count_label))
-    for ax in (by_step, by_tokens, speed):
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

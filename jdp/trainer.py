@@ -198,6 +198,10 @@ class Trainer:
     def announce(self, resumed_from: int | None) -> None:
         """Lines a task logs after the banner (every process calls it; process 0's are shown)."""
 
+    def prepare(self, run_dir: RunDir, steps: Steps, state, resumed_from: int | None, data) -> None:
+        """What a task does with the state it starts from before the first step (every process calls it): the
+        preference objectives' reference log-probabilities, computed once (lm.py)."""
+
     # -- the run ---------------------------------------------------------------------------------------------------
 
     def fit(self) -> dict:
@@ -304,6 +308,7 @@ class Trainer:
                            resumed_from, cache):  # fmt: skip
             log.info(line)
         self.announce(resumed_from)
+        self.prepare(run_dir, steps, state, resumed_from, data)
         if is_main:
             save_config(cfg, run_dir.path)
         with phases("opening the metrics log"):  # tensorboardX (and torch, which it imports) take seconds here

@@ -3,7 +3,7 @@
 An entry holds what the config and the corpus ask of a format without reading data: the columns it reads, whether
 attention stays within documents by default, whether it may be streamed or mixed. Its `load` builds the training
 windows (dataset.Windows) from the opened corpus; jdp's own attach theirs where they live (text: data.py; chat and
-prompt: sft.py), so this module imports none of them and the `jdp` command starts without reading any.
+prompt: sft.py; preference: preference.py), so this module imports none of them and the `jdp` command starts without reading any.
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ _FORMATS: dict[str, Format] = {
         Format("chat", "fine-tuning data", lambda d: ["messages"], within_documents=True,
                keys=("chat_template", "chat_template_name", "chat_template_kwargs")),
         Format("prompt", "fine-tuning data", lambda d: ["prompt", "completion"], within_documents=True),
+        # `prompt` too where the rows have one (optional in TRL's conversational form: preference.py)
+        Format("preference", "preference pairs", lambda d: ["chosen", "rejected"], streams=False, mixes=False,
+               keys=("chat_template", "chat_template_name", "chat_template_kwargs")),
     )
 }
 _BUILTIN = tuple(_FORMATS)

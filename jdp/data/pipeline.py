@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from jdp.config import ConfigError, DataConfig
-from jdp.data import formats, sft, stream  # noqa: F401  (sft: chat and prompt attach their loaders on import)
+from jdp.data import formats, preference, sft, stream  # noqa: F401  (they attach their formats' loaders on import)
 from jdp.data.corpus import data_files, is_saved_dataset, open_corpus
 from jdp.data.dataset import GlobalOrder, Prefetcher, Windows
 from jdp.data.mixture import MixtureBatches, Source, StreamMixture, integer_weights

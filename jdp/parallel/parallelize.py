@@ -193,10 +193,13 @@ def make_train_step(
     )  # fmt: skip
 
 
-def make_strategy_eval_step(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh, strategy: str = "ddp"):
-    """The eval step for a state laid out by `strategy` (fsdp's gathers its split parameters block by block)."""
+def make_strategy_eval_step(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh, strategy: str = "ddp",
+                            per_row: bool = False):  # fmt: skip
+    """The eval step for a state laid out by `strategy` (fsdp's gathers its split parameters block by block);
+    per_row: one value per row of the batch (step.make_eval_step)."""
     steps = strategies.get(strategy).steps()
-    return getattr(steps, "make_eval_step", make_eval_step)(graphdef, loss_fn, mesh)
+    make = getattr(steps, "make_eval_step", make_eval_step)
+    return make(graphdef, loss_fn, mesh, per_row=True) if per_row else make(graphdef, loss_fn, mesh)
 
 
 def relayout(state: TrainState, optimizer, mesh: jax.sharding.Mesh, strategy: str) -> TrainState:

@@ -536,7 +536,8 @@ def make_grad_fn(
     return RefusingDonated(jax.jit(checking_rows(sharded, mesh.devices.size, grad_accum)))
 
 
-def make_eval_step(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh, model_of=None, layout: OptLayout | None = None):
+def make_eval_step(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh, model_of=None, layout: OptLayout | None = None,
+                   per_row: bool = False):  # fmt: skip
     """(state, global batch) -> (loss sum, weight sum) over the whole global batch; nothing is updated (the
     model's other variables neither: BatchNorm statistics stay as trained).
 
@@ -547,14 +548,19 @@ def make_eval_step(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh, model_of=
 
     model_of(shapes, params, rest) -> ((params, rest) -> model), if given, builds the model from each device's split
     parameters (fsdp's, whose state.shapes are their own shapes); else the parameters are replicated. `layout`: where
-    the model's other variables lie (its rest_specs: fsdp's frozen base in rows); None: whole on every device."""
-    loss_fn = checked_loss(loss_fn)
+    the model's other variables lie (its rest_specs: fsdp's frozen base in rows); None: whole on every device.
+    per_row=True: `loss_fn(model, rows)` returns one value per row (an array with the rows' leading axis, any
+    pytree), and the step returns it for every row of the global batch, in order (the preference objectives'
+    reference log-probabilities, computed once: jdp/preference.py)."""
+    loss_fn = checked_loss(loss_fn) if not per_row else loss_fn
     axes = batch_axes(mesh)
 
     def run(params, rest, batch, shapes):
         merge = (lambda p, r: nnx.merge(graphdef, p, r)) if model_of is None else model_of(shapes, params, rest)
 
         def step(params, rest, batch: Batch):
+            if per_row:
+                return loss_fn(merge(params, rest), batch)
             if "valid" not in batch:
                 loss, weight, extra = loss_fn(merge(params, rest), batch)
             else:
@@ -572,7 +578,7 @@ def make_eval_step(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh, model_of=
 
         spec = P() if shapes is None else jax.tree.map(lambda x: P(shard_axis(mesh)) if x.ndim else P(), params)
         rest_spec = P() if layout is None else layout.rest_specs(rest, mesh)
-        sharded = jax.shard_map(step, mesh=mesh, in_specs=(spec, rest_spec, P(axes)), out_specs=P())
+        sharded = jax.shard_map(step, mesh=mesh, in_specs=(spec, rest_spec, P(axes)), out_specs=P(axes) if per_row else P())
         return sharded(params, rest, batch)
 
     def eval_step(params, rest, batch, shapes):

@@ -739,7 +739,7 @@ def split_step(
     return RefusingDonated(jax.jit(step, donate_argnums=0)) if jitted else step
 
 
-def make_eval_step(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh):
+def make_eval_step(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh, per_row: bool = False):
     """step.make_eval_step with the model built from each device's rows, gathered block by block."""
     from jdp.parallel.step import make_eval_step as generic
 
@@ -750,4 +750,4 @@ def make_eval_step(graphdef, loss_fn: LossFn, mesh: jax.sharding.Mesh):
         build = units.model_of(graphdef, shapes, "float32", False)
         return lambda p, r: build(p, r)[0]
 
-    return generic(graphdef, loss_fn, mesh, model_of=model_of, layout=layout(mesh))
+    return generic(graphdef, loss_fn, mesh, model_of=model_of, layout=layout(mesh), per_row=per_row)
