@@ -24,6 +24,7 @@ from jax.experimental import multihost_utils
 from jdp import adapters
 from jdp.config import Config, ConfigError, absolute_paths
 from jdp.log import logger
+from jdp.preference import REFERENCE
 from jdp.rundir import RunDir
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "abstract",
     "base_fingerprint",
     "check_base",
+    "check_reference",
     "check_param_shapes",
     "check_data",
     "check_resumable",
@@ -200,16 +202,31 @@ def _inner(inner: dict) -> dict:
     return {**inner, "rest": _unfrozen(inner["rest"])}
 
 
-def base_fingerprint(rest) -> dict | None:
+def base_fingerprint(rest, reference: bool = False) -> dict | None:
     """What a frozen base is (adapters.py), for the record of every checkpoint of its adapters (None: nothing is
-    frozen): its leaves, elements and a checksum of their bits (each leaf's `checksums`, folded in order)."""
-    base = adapters.frozen(rest)
-    if not base:
+    frozen): its leaves, elements and a checksum of their bits (each leaf's `checksums`, folded in order).
+    reference=True: the same of a preference objective's frozen reference copy (preference.py) instead, which the
+    model alone (`load`: generate, export) never holds."""
+    flat = [(k, v) for k, v in nnx.to_flat_state(adapters.frozen(rest)) if (k[0] == REFERENCE) == reference]
+    if not flat:
         return None
+    base = nnx.from_flat_state(flat)
     leaves, total = jax.tree.leaves(base), 0
     for _, value in sorted(checksums(base).items()):
         total = (total * 1_000_003 + value) % (1 << 61)
     return {"leaves": len(leaves), "elements": int(sum(x.size for x in leaves)), "checksum": f"{total:016x}"}
+
+
+def check_reference(record: dict, reference: dict | None, cfg: Config) -> None:
+    """Refuse to go on against another reference model than the one the run trained against (a preference
+    objective's frozen copy of the starting weights, made again on resume from train.init_from or the seed)."""
+    if record.get("reference") != reference:
+        where = f"train.init_from={cfg.train.init_from}" if cfg.train.init_from else f"train.seed={cfg.train.seed}"
+        raise ConfigError(
+            f"the checkpoint at step {record['step']} trained against another reference model than this run's "
+            f"frozen copy of its starting weights ({where}): saved {record.get('reference')}, now {reference}. Start "
+            f"from the model the run started from (or a new train.run_dir)"
+        )
 
 
 def check_base(record: dict, base: dict | None, cfg: Config) -> None:
@@ -690,6 +707,7 @@ def make_record(
     fingerprint: dict | None = None,
     groups: int | None = None,
     base: dict | None = None,
+    reference: dict | None = None,
 ) -> dict:
     """A checkpoint's JSON record beside its arrays: what resuming checks and needs besides the train state (the
     config it was trained with, where the data stood, how the optimizer state is laid out, the hook's state)."""
@@ -710,6 +728,8 @@ def make_record(
         record["groups"] = groups
     if base is not None:  # adapters: the frozen base they belong to (not saved: base_fingerprint)
         record["base"] = base
+    if reference is not None:  # a preference objective's frozen reference copy (not saved either)
+        record["reference"] = reference
     return record
 
 

@@ -35,6 +35,7 @@ from jdp.checkpoint import (
     check_base,
     check_data,
     check_param_shapes,
+    check_reference,
     check_resumable,
     check_writable,
     config_differences,
@@ -342,6 +343,7 @@ class Trainer:
         def check(record):
             check_resumable(record, cfg)
             check_base(record, steps.base, cfg)
+            check_reference(record, base_fingerprint(steps.state.rest, reference=True), cfg)
             check_param_shapes(record, steps.state.param_shapes())
             moving = steps.conversion(record) is not None
             if moving and parallel.layout_of(saved_layout(record)).flat:
@@ -450,10 +452,10 @@ class Steps:
         schedule, the same on every process), read when the record is made; `data_print`: what the data is."""
         layout, comm = self.layout.to_record(), self.comm
         shapes = [list(x.shape) for x in jax.tree.leaves(self.state.param_shapes())]
-        groups, base = self.groups, self.base
+        groups, base, reference = self.groups, self.base, base_fingerprint(self.state.rest, reference=True)
         return lambda step: make_record(cfg, step, optimizer_layout=layout, comm=comm, param_shapes=shapes,
-                                        data_state=data_state() if data_state else None,
-                                        fingerprint=data_print, groups=groups, base=base)  # fmt: skip
+                                        data_state=data_state() if data_state else None, fingerprint=data_print,
+                                        groups=groups, base=base, reference=reference)  # fmt: skip
 
 
 def apply_xla_options(cfg: Config) -> None:
