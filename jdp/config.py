@@ -645,7 +645,8 @@ def unread_problems(cfg: Config) -> list[str]:
     for name in formats.names():
         if keys := formats.get(name).keys:
             readers = tuple(n for n in formats.names() if set(keys) <= set(formats.get(n).keys))
-            rules.append((tuple(f"data.{k}" for k in keys), "data.format", readers))
+            if (rule := (tuple(f"data.{k}" for k in keys), "data.format", readers)) not in rules:  # one per key set
+                rules.append(rule)
     out = []
     for keys, switch, readers in rules:
         section, key = switch.split(".")

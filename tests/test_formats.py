@@ -43,7 +43,7 @@ def test_its_refusals_are_the_configs():
         validate(load_config("tiny", [*SMALL, "data.streaming=true", "train.run_dir=u"]), 1)
     with pytest.raises(ConfigError, match="jdp's own format"):
         formats.register(formats.Format("text", "text", lambda d: [], load=format_reversed.load))
-    with pytest.raises(ConfigError, match="data.format='nope' must be one of text, chat, prompt, reversed"):
+    with pytest.raises(ConfigError, match="data.format='nope' must be one of text, chat, prompt, preference, reversed"):
         formats.get("nope")
 
 
@@ -55,7 +55,7 @@ def test_jdps_own_formats_have_their_loaders_in_a_fresh_process():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=TESTS.parent)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["[(False,", "False,", "False),", "(False,", "False,", "False),", "(False,", "False,",
-                                  "False)]"]  # fmt: skip
+                                  "False),", "(False,", "True,", "True)]"]  # fmt: skip  (preference: neither mixed nor streamed)
 
 
 @pytest.mark.slow

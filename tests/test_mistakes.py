@@ -29,7 +29,7 @@ MISTAKES = [
     (["launch", "--live", "--nproc-per-node", "1", "--devices-per-proc", "0", "--", "train"], "--devices-per-proc 0"),
     # A key the chosen settings do not read is refused by one rule (config.READ_ONLY_UNDER), never dropped unsaid
     (["train", "tiny", "model.remat_every=2"], "model.remat_every=2 is read by model.remat=dots or model.remat=full only, not none: leave it out (its default: 1), or set model.remat=dots"),
-    (["train", "tiny", "data.chat_template_name=tool_use"], "data.chat_template_name=tool_use is read by data.format=chat only, not text"),
+    (["train", "tiny", "data.chat_template_name=tool_use"], "data.chat_template_name=tool_use is read by data.format=chat or data.format=preference only, not text"),
     (["train", "tiny", "optim.name=sgd", "optim.b1=0.8"], "optim.b1=0.8 is read by optim.name=adamw or optim.name=muon only, not sgd"),
     # a shipped file's AdamW keys under sgd: the fix given works on the command line (the defaults given back)
     (["train", "gpt2-finetune", "optim.name=sgd"], "optim.weight_decay=0.01 is read by optim.name=adamw or optim.name=muon only, not sgd: leave it out (its default: 0.1)"),

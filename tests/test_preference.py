@@ -54,8 +54,15 @@ def pair_batch(seed: int, pairs: int = 8, length: int = 12, vocab: int = CFG.voc
 # --- TRL, where it is installed ----------------------------------------------------------------------------------
 
 
+CHAT = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+TURNS = [({"role": "user", "content": "Name a color."}, "Blue.", "A dog."),
+         ({"role": "user", "content": "2+2?"}, "4", "Five, I think")]  # fmt: skip
+
+
 @functools.cache
-def trl_trainer(loss_type: str = "sigmoid"):
+def trl_trainer(loss_type: str = "sigmoid", conversational: bool = False):
+    """TRL's DPOTrainer over the tiny Llama fixture and ROWS (or TURNS as conversations), in float32 (TRL 1.x's
+    default bf16 autocasts on CPU too)."""
     import torch
     from datasets import Dataset
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
@@ -63,14 +70,20 @@ def trl_trainer(loss_type: str = "sigmoid"):
 
     tok = PreTrainedTokenizerFast(tokenizer_file=str(LLAMA / "tokenizer.json"), bos_token="<|begin_of_text|>",
                                   eos_token="<|end_of_text|>", pad_token="<|end_of_text|>")  # fmt: skip
+    tok.chat_template = CHAT
+    rows = ROWS
+    if conversational:
+        rows = [{"prompt": [u], "chosen": [{"role": "assistant", "content": c}],
+                 "rejected": [{"role": "assistant", "content": r}]} for u, c, r in TURNS]  # fmt: skip
     model = LlamaForCausalLM.from_pretrained(LLAMA, dtype=torch.float32)
-    args = DPOConfig(output_dir=tempfile.mkdtemp(), report_to="none", beta=0.1, use_cpu=True, max_length=None, bf16=False,
-                     per_device_train_batch_size=len(ROWS), loss_type=[loss_type])  # fmt: skip
-    return DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(ROWS), processing_class=tok)
+    args = DPOConfig(output_dir=tempfile.mkdtemp(), report_to="none", beta=0.1, use_cpu=True, max_length=None,
+                     bf16=False, per_device_train_batch_size=len(rows), loss_type=[loss_type])  # fmt: skip
+    return DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
 
 
 def test_jdp_tokenizes_reads_and_scores_pairs_as_trls_dpo_trainer(tmp_path):
-    """The same pairs: jdp's tokens are TRL's (after jdp's leading end-of-document token), its per-answer
+    """The same pairs: jdp's tokens are TRL's (plain text: after jdp's leading end-of-document token;
+    conversations, without a prompt column: one for one, the prompt where TRL puts it), its per-answer
     log-probabilities of TRL's tokens under the same tiny Llama equal DPOTrainer's to 1e-5, and each objective's
     loss and metrics on TRL's log-probabilities equal TRL's own code's to 1e-6 (DPOTrainer's sigmoid and ipo,
     CPOTrainer's simpo and its smoothed sigmoid for cDPO, ORPOTrainer's odds ratio)."""
@@ -80,6 +93,7 @@ def test_jdp_tokenizes_reads_and_scores_pairs_as_trls_dpo_trainer(tmp_path):
     from trl.experimental.orpo import ORPOTrainer
 
     from jdp.build import run_model
+    from jdp.data.chat import ChatTemplate
     from jdp.lm import checked_import
 
     tr = trl_trainer()
@@ -92,6 +106,18 @@ def test_jdp_tokenizes_reads_and_scores_pairs_as_trls_dpo_trainer(tmp_path):
         assert seqs[1][1:].tolist() == ex["prompt_ids"] + ex["rejected_ids"]
     inputs = tr.data_collator(examples)
     trl_c, trl_r = (x.numpy() for x in tr.compute_ref_log_probs(tr.model, inputs))
+    (tmp_path / "chat.jinja").write_text(CHAT)
+    template = ChatTemplate.load(load_config(None, [f"data.chat_template={tmp_path / 'chat.jinja'}",
+                                                    f"data.tokenizer={LLAMA}", "data.format=preference"]).data)  # fmt: skip
+    conv = trl_trainer(conversational=True)
+    for i, (user, c, r) in enumerate(TURNS):  # the conversational form: the template's text, TRL's prompt split
+        ex = conv.train_dataset[i]
+        row = {"chosen": [user, {"role": "assistant", "content": c}], "rejected": [user, {"role": "assistant",
+                                                                                           "content": r}]}  # fmt: skip
+        seqs, prompt_len = pair_tokens(row, ours, template, "test")
+        assert (seqs[0].tolist(), seqs[1].tolist(), prompt_len) == (ex["prompt_ids"] + ex["chosen_ids"],
+                                                                    ex["prompt_ids"] + ex["rejected_ids"],
+                                                                    len(ex["prompt_ids"]))  # fmt: skip
 
     overrides = [f"train.init_from={LLAMA}", f"data.tokenizer={LLAMA}", "train.run_dir=unused"]
     cfg, _ = checked_import(load_config(None, overrides), frozenset())
