@@ -329,12 +329,13 @@ def keep_if(ok, new, old):
 
 def local_sums(graphdef, loss_fn: LossFn, grad_accum: int, forward=None, axes=AXIS):
     """Per device: (params, rest, rows, step) -> (grad of loss sum, loss sum, weight sum, new rest, metric sums) over
-    its rows, in grad_accum micro-batches (metric sums: the loss's own, guards.checked_loss). Every forward updates the model's other variables (BatchNorm's running
-    statistics), the micro-batches one after the other, as PyTorch's would; the new rest is replicated.
+    its rows, in grad_accum micro-batches (metric sums: the loss's own, guards.checked_loss). Every forward updates
+    the model's other variables (BatchNorm's running statistics), the micro-batches one after the other, as
+    PyTorch's would; the new rest is replicated.
 
-    forward(loss_fn, params, rest, micro) -> (loss, (weight, new rest, metric sums)), if given, runs each forward from this
-    device's parameters (fsdp's: its rows, gathered block by block); they are this device's own already, so no
-    per-device view is taken. axes: the mesh axes the batch is split over (hsdp's: `replica` and `shard`)."""
+    forward(loss_fn, params, rest, micro) -> (loss, (weight, new rest, metric sums)), if given, runs each forward
+    from this device's parameters (fsdp's: its rows, gathered block by block); they are this device's own already,
+    so no per-device view is taken. axes: the mesh axes the batch is split over (hsdp's: `replica` and `shard`)."""
     if not isinstance(grad_accum, int | np.integer) or grad_accum < 1:
         raise ConfigError(f"grad_accum={grad_accum!r} must be a whole number of micro-batches per step, 1 or more")
     loss_fn = checked_loss(loss_fn)
