@@ -133,18 +133,21 @@ class Pairs:
 
 
 def _fit(rows: list, cfg: DataConfig, eod_id: int, at: str) -> Pairs:
-    size, tokens, weights, truncated, dropped = cfg.seq_len + 1, [], [], 0, 0
+    size, tokens, weights, truncated, dropped, answerless = cfg.seq_len + 1, [], [], 0, 0, []
     for i, (seqs, prompt_len) in enumerate(rows):
         t, w, cut = pair_rows(seqs, prompt_len, size, eod_id)
         if cut and cfg.overlong == "drop" or not w[:, 1:].sum(axis=1).all():
             if not (cut and cfg.overlong == "drop"):
-                log.warning(f"{at}, pair {i}: an answer keeps no token in data.seq_len+1={size} (prompt {prompt_len} "
-                            f"tokens): dropped")  # fmt: skip
+                answerless.append(i)
             dropped += 1
             continue
         truncated += cut
         tokens.append(t)
         weights.append(w)
+    if answerless:  # said once, with the first few
+        shown = ", ".join(map(str, answerless[:5])) + (", ..." if len(answerless) > 5 else "")
+        log.warning(f"{at}: {len(answerless)} pair(s) ({shown}) keep no token of an answer in data.seq_len+1={size} "
+                    f"tokens (their prompts fill it): dropped; raise data.seq_len to keep them")  # fmt: skip
     dtype = np.uint16 if eod_id < 1 << 16 and all(t.max() < 1 << 16 for t in tokens) else np.uint32
     shape = (0, 2, size)
     return Pairs(np.stack(tokens).astype(dtype) if tokens else np.zeros(shape, dtype),
