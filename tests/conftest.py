@@ -24,8 +24,15 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
+import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+
+# A suite started as `cmd &` from a script (no job control) starts with SIGINT ignored, which every process it
+# starts inherits and jdp then respects ("Ctrl-C is not for this process"): test_faults.py's Ctrl-C tests would
+# fail. Caught here instead, the signal is back at its default in every process the tests start (exec resets it).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Every `jdp train` on CPU measures the host's matmul rate for MFU at start (half a second on every core, in each
 # process): the tests' hundreds of processes take it from one measurement per pytest process instead.
