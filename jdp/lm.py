@@ -29,7 +29,6 @@ from jdp.trainer import Trainer
 __all__ = ["LanguageModel", "Text", "checked_import", "no_model_to_fine_tune", "train"]
 
 log = logger("jdp.lm")
-REFERENCE_FILE = "reference_logps.npz"  # train.precompute_reference's, in the run directory
 
 
 def train(cfg: Config, world: World | None = None, explicit: frozenset[str] = frozenset()) -> dict:
@@ -105,7 +104,7 @@ class LanguageModel(Trainer):
         (a fresh run) and kept in RUN_DIR/reference_logps.npz, or read back from there (a resumed one)."""
         if not (preference.needs_reference(self.cfg.train.objective) and self.cfg.train.precompute_reference):
             return
-        pairs, path = data.data.train, run_dir.path / REFERENCE_FILE
+        pairs, path = data.data.train, run_dir.reference_logps
         if resumed_from is None:
             t0 = time.perf_counter()
             logps = preference.reference_logps(steps.graphdef, state, steps.mesh, steps.strategy,

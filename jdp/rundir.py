@@ -117,6 +117,10 @@ class RunDir:
     def plot(self) -> Path:
         return self.path / "plot.png"  # `jdp plot`'s default output
 
+    @property
+    def reference_logps(self) -> Path:
+        return self.path / "reference_logps.npz"  # train.precompute_reference: each pair's, computed at step 0
+
     def data_state(self, step: int, process: int) -> Path:
         """Where a streaming run keeps process `process`'s stream position after step `step`."""
         return self.data_states / str(step) / f"process_{process}.json"
@@ -124,7 +128,7 @@ class RunDir:
     def files(self) -> list[Path]:
         """The files of this layout (W&B's directory among them: jdp only ever moves it whole)."""
         files = [self.config, self.metrics, self.superseded_metrics, self.damaged_metrics, self.summary]
-        return [*files, self.wandb_run_id, self.path / RunLock.NAME, self.wandb, self.plot]
+        return [*files, self.wandb_run_id, self.path / RunLock.NAME, self.wandb, self.plot, self.reference_logps]
 
     def trees(self) -> list[Path]:
         """The directories of this layout whose contents jdp writes, reads and moves."""
