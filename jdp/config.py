@@ -534,7 +534,7 @@ CHOICES = {
     "data.document_attention": ("auto", "across", "within"),
     "data.format": formats.names,  # jdp's formats, those registered later too
     "data.overlong": ("truncate", "drop"),
-    "train.objective": ("lm", "dpo", "ipo", "simpo", "orpo"),  # jdp/preference.py's OBJECTIVES
+    "train.objective": ("lm", "dpo", "ipo", "simpo", "orpo"),  # lm_loss, or jdp/preference.py's losses()
     "optim.name": ("adamw", "sgd", "muon"),
     "optim.muon_scale": ("rms", "width"),
     "parallel.strategy": strategies.names,  # looked up at each check: a strategy registered later counts

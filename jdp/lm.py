@@ -97,7 +97,8 @@ class LanguageModel(Trainer):
 
     def flops_per_unit(self) -> float:
         # a pair: its two sequences trained (the reference's forward, where there is one, is not counted)
-        return flops_per_token(self.cfg) * (2 * self.cfg.data.seq_len if self.pairs else 1)
+        per_pair = preference.sequences_per_row(self.cfg.train.objective) * self.cfg.data.seq_len
+        return flops_per_token(self.cfg) * (per_pair if self.pairs else 1)
 
     def prepare(self, run_dir, steps, state, resumed_from: int | None, data) -> None:
         """train.precompute_reference: every pair's reference log-probabilities, computed by the starting model
@@ -143,10 +144,7 @@ def objective_loss(cfg: Config):
 def with_reference(model: nnx.Module, cfg: Config) -> nnx.Module:
     """The model, holding a frozen copy of its starting weights where the objective compares with one and no LoRA
     adapter can be switched off for it (preference.py)."""
-    t = cfg.train
-    if preference.needs_reference(t.objective) and not cfg.model.lora_rank and not t.precompute_reference:
-        return preference.with_reference(model)
-    return model
+    return preference.with_reference(model) if preference.holds_copy(cfg) else model
 
 
 class Text(Source):

@@ -109,8 +109,7 @@ def abstract_state(cfg: Config):
     """(graphdef, params, rest, optimizer state) as shapes only: nothing is allocated. A preference objective's
     frozen reference copy (jdp/preference.py; none with LoRA or a precomputed reference) is among the rest."""
     model = abstract_model(cfg.model)
-    t = cfg.train
-    if preference.needs_reference(t.objective) and not cfg.model.lora_rank and not t.precompute_reference:
+    if preference.holds_copy(cfg):
         model = preference.with_reference(model)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # with adapters: what trains
     optimizer, _ = make_optimizer(cfg.optim, cfg.train.steps)

@@ -38,15 +38,21 @@ from flax import nnx
 from jdp import adapters
 from jdp.nn import Frozen
 
-__all__ = ["OBJECTIVES", "REFERENCE", "answer_logps", "log1mexp", "losses", "make_loss", "needs_reference",
+__all__ = ["REFERENCE", "answer_logps", "holds_copy", "log1mexp", "losses", "make_loss", "needs_reference",
            "reference_logps", "sequences_per_row", "with_reference"]  # fmt: skip
 
-OBJECTIVES = ("lm", "dpo", "ipo", "simpo", "orpo")
 REFERENCE = "preference_reference"  # the model's attribute that holds the frozen reference copy
 
 
 def needs_reference(objective: str) -> bool:
     return objective in ("dpo", "ipo")
+
+
+def holds_copy(cfg) -> bool:
+    """Whether a run of the config `cfg` holds its reference as a frozen copy in the model: dpo and ipo, without
+    LoRA (whose base is the reference) and without a precomputed reference (train.precompute_reference)."""
+    t = cfg.train
+    return needs_reference(t.objective) and not cfg.model.lora_rank and not t.precompute_reference
 
 
 def sequences_per_row(objective: str) -> int:
@@ -121,10 +127,9 @@ def make_loss(objective: str, beta=0.1, label_smoothing=0.0, simpo_gamma=0.5, or
         logps, counts = answer_logps(model, batch)
         ref = None
         if needs_reference(objective):
-            reference = getattr(model, REFERENCE, None)
             if "ref_logps" in batch:  # computed once before training (train.precompute_reference)
                 ref = batch["ref_logps"]
-            elif reference is not None:
+            elif (reference := getattr(model, REFERENCE, None)) is not None:
                 ref, _ = answer_logps(reference, batch)
             elif adapters.has_adapters(model):
                 with adapters.disabled(model):
@@ -149,7 +154,7 @@ def make_loss(objective: str, beta=0.1, label_smoothing=0.0, simpo_gamma=0.5, or
 def reference_logps(graphdef, state, mesh, strategy: str, sets: dict, batch_size: int) -> dict[str, np.ndarray]:
     """Each set's pairs' log-probabilities under the model `state` holds (with LoRA: its adapters off), in order:
     {name: (pairs, 2)}, on every process. `sets`: {name: (number of pairs, their global batches, this process's
-    rows)} (data.preference.PairBatches.every_pair). Run at step 0, the model is the reference itself."""
+    rows of each)} (data.preference.PairBatches.every_pair). Run at step 0, the model is the reference itself."""
     from jax.experimental import multihost_utils
 
     from jdp import parallel

@@ -31,6 +31,7 @@ from jdp.data import formats
 from jdp.data.chat import ChatTemplate, conversation
 from jdp.data.corpus import cache_root
 from jdp.data.dataset import GlobalOrder, Windows, digest
+from jdp.data.tokens import Tokens
 from jdp.log import logger
 
 __all__ = ["Pairs", "PairBatches", "load_pairs", "pair_rows", "pair_tokens"]
@@ -243,8 +244,6 @@ class PairBatches(Windows):
 def load_pairs(corpus, tokenizer, cfg: DataConfig, batch_size: int, seed: int, rows: slice, rank: int, world: int):
     """data.format=preference: the pairs, each a row of the batch; its validation pairs are its own (the returned
     validation tokens are empty)."""
-    from jdp.data.tokens import Tokens
-
     train, val = load_pairs_split(corpus, tokenizer, cfg, seed)
     if train.truncated or train.dropped:
         log.warning(f"data.overlong={cfg.overlong}: {train.describe()}")
