@@ -62,6 +62,7 @@ RESUMABLE_CHANGES = {
     "train.ckpt_keep", "train.resume", "train.check_replicas_every", "train.step_timeout_s", "train.max_bad_steps",
     "data.prefetch", "data.num_proc", "data.cache_dir", "train.tensorboard", "train.wandb_project", "train.compile_cache",
     "parallel.init_timeout_s", "parallel.heartbeat_timeout_s", "parallel.coordinator_bind", "train.callbacks",
+    "train.eval_tasks", "train.eval_tasks_every", "train.eval_tasks_path", "train.eval_tasks_limit",  # what is measured
     # How gradients travel changes rounding, not the state: a run may resume with another strategy or bucketing,
     # or switch gradient compression on or off (the hook's state starts afresh when it is not the saved one's).
     "parallel.strategy", "parallel.reshard_after_forward", "parallel.accumulate_unsharded", "parallel.shard_size",
@@ -806,7 +807,7 @@ def load(run_dir: str | Path, model, step: int | None = None, *, with_step: bool
     if base and any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(base)):
         raise ConfigError("the model's frozen base has shapes, not values: checkpoints of adapters hold no base; give "
                           "the model with its base weights (or a function that makes it)")  # fmt: skip
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # each process its own (jdp eval under launch)
     params, others = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
                                   (params, _unfrozen(rest)))  # fmt: skip
     ckpts = Checkpoints(run.path, keep=1, read_only=True)  # a training run may be writing next to us

@@ -194,6 +194,27 @@ def export_arguments(p: argparse.ArgumentParser) -> None:
                    help="a LoRA run's adapters alone, in PEFT's format (adapter_model.safetensors, adapter_config.json)")
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from jdp import harness
+
+    return harness.run(args)
+
+
+def eval_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by jdp train (or a Hugging Face model directory)")
+    p.add_argument("--tasks", required=True, help="the harness's task names, comma-separated (e.g. hellaswag,arc_easy)")
+    p.add_argument("--step", type=_at_least(0), help="the checkpoint at this step (default: the newest that restores)")
+    p.add_argument("--include-path", metavar="DIR", help="a directory of task YAMLs (tasks over local files)")
+    p.add_argument("--limit", type=float, help="the first N documents of each task (a fraction below 1: that share)")
+    p.add_argument("--num-fewshot", type=_at_least(0), help="examples in each prompt (default: the task's)")
+    p.add_argument("--batch-size", default="auto", help="rows per forward over all devices (default 16 a device)")
+    p.add_argument("--max-gen-toks", type=_at_least(1), default=256, help="generate_until's tokens at most (default 256)")
+    p.add_argument("--apply-chat-template", action="store_true", help="prompts through the run's chat template")
+    p.add_argument("--log-samples", action="store_true", help="every request and answer, beside the results JSON")
+    p.add_argument("--bootstrap-iters", type=_at_least(0), default=100000, help="for standard errors (0: none)")
+    p.add_argument("-o", "--output", help="the results JSON (default: RUN_DIR/eval/step_N-TIME.json)")
+
+
 def _plan(args: argparse.Namespace) -> int:
     # The planner only traces shapes: keep JAX off the GPUs (and their memory) of the machine it runs on.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -316,6 +337,16 @@ COMMANDS = {
         "if it used a Hugging Face tokenizer: "
         "transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR) loads it unchanged.",
         "jdp export runs/gpt2-ft exported/gpt2-ft --step 1000",
+    ),
+    "eval": (
+        _eval,
+        eval_arguments,
+        "run lm-evaluation-harness tasks on a run's checkpoint, over every device",
+        "Restore RUN_DIR's newest checkpoint (or --step N) and answer the harness's requests for --tasks with jdp's "
+        "forward and KV-cache decoder, the log-likelihoods split over every device of every process (under jdp "
+        "launch, torchrun or SLURM as for training); print the harness's table and write its results JSON into "
+        "RUN_DIR/eval/. Needs pip install -e \".[eval]\" (docs/evaluation.md).",
+        "jdp eval runs/tiny --tasks hellaswag --limit 100",
     ),
     "plan": (
         _plan,

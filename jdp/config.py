@@ -163,6 +163,12 @@ class TrainConfig:
     # dpo, ipo: the reference's log-probabilities of every pair computed once, before the first step, and kept in
     # RUN_DIR/reference_logps.npz (no reference in memory or in the step: TRL's precompute_ref_log_probs)
     precompute_reference: bool = False
+    # lm-evaluation-harness tasks (comma-separated names) run on the model while it trains, every eval_tasks_every
+    # steps (0: only after the last) and at the end; their metrics beside eval_loss (jdp/harness.py, docs/evaluation.md)
+    eval_tasks: str = ""
+    eval_tasks_every: int = 0
+    eval_tasks_path: str = ""  # a directory of task YAMLs (the harness's --include_path): tasks over local files
+    eval_tasks_limit: int = 0  # the first N documents of each task (the harness's --limit); 0: all
 
 
 @dataclass(frozen=True)
@@ -505,7 +511,8 @@ RANGES = {
         ["model.vocab_valid", "data.val_tokens", "data.prefetch", "data.num_proc", "train.eval_every", "train.ckpt_every",
          "train.max_bad_steps", "train.check_replicas_every", "optim.warmup_steps", "optim.weight_decay",
          "optim.grad_clip", "parallel.bucket_mb", "parallel.powersgd_warmup", "model.n_kv_heads", "model.d_ff",
-         "model.head_dim", "parallel.groups", "parallel.outer_delay", "model.lora_rank"],
+         "model.head_dim", "parallel.groups", "parallel.outer_delay", "model.lora_rank", "train.eval_tasks_every",
+         "train.eval_tasks_limit"],
         _NON_NEGATIVE,
     ),
     **dict.fromkeys(["optim.b1", "optim.b2", "optim.momentum", "parallel.outer_momentum", "parallel.outer_mix",
@@ -720,10 +727,22 @@ def objective_problems(cfg: Config) -> list[str]:
     return out
 
 
+def harness_problems(cfg: Config) -> list[str]:
+    """train.eval_tasks_* without train.eval_tasks, and what in-training evaluation does not go with, by name."""
+    t = cfg.train
+    if not t.eval_tasks.strip():
+        stray = [k for k in ("eval_tasks_every", "eval_tasks_path", "eval_tasks_limit") if getattr(t, k)]
+        return [f"train.{k} is set but train.eval_tasks names no task: name the tasks (or leave it out)" for k in stray]
+    if t.live:
+        return ["train.eval_tasks with train.live=true: live membership's loop evaluates the loss only (docs/live.md); "
+                "run `jdp eval RUN --tasks ...` on its checkpoints"]  # fmt: skip
+    return []
+
+
 def check(cfg: Config) -> None:
     """The config's values alone (choices, ranges, the optimizer's keys), before anything is built from them: what
     `jdp train` and `jdp allreduce` ask first, so a typo is one line, never a traceback. validate() asks it again."""
-    if problems := _value_problems(cfg) + optim_problems(cfg.optim) + unread_problems(cfg):
+    if problems := _value_problems(cfg) + optim_problems(cfg.optim) + unread_problems(cfg) + harness_problems(cfg):
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 
 
@@ -732,7 +751,7 @@ def validate(cfg: Config, n_devices: int, n_processes: int = 1) -> Derived:
     m, d, t, par = cfg.model, cfg.data, cfg.train, cfg.parallel
     problems = _value_problems(cfg) + models.problems(m) + mixture_problems(d) + optim_problems(cfg.optim)
     problems += unread_problems(cfg)
-    problems += lora_problems(cfg) + objective_problems(cfg)
+    problems += lora_problems(cfg) + objective_problems(cfg) + harness_problems(cfg)
     if d.streaming and d.format in formats.names() and not (fmt := formats.get(d.format)).streams:
         problems.append(f"data.format={d.format} with data.streaming=true: streamed {fmt.what} is not supported yet")
     if d.seq_len > m.max_seq_len:

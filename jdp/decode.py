@@ -209,6 +209,7 @@ class _Draw:
     n_vocab: int
     eod: int | None
     P: int
+    rows: Any = None  # a sharding that splits the prompts' rows over devices (the model whole on each); None: one
 
 
 def _sample_cached(d: _Draw, prompts: Sequence[Sequence[int]], max_new_tokens: int):
@@ -220,6 +221,8 @@ def _sample_cached(d: _Draw, prompts: Sequence[Sequence[int]], max_new_tokens: i
     for row, ids in enumerate(prompts):
         tokens_BxC[row, T - len(ids) : T] = ids
     pad_B = np.asarray([T - len(ids) for ids in prompts], np.int32)
+    if d.rows is not None:  # each device decodes its rows (the same program, split by the batch's sharding)
+        tokens_BxC, pad_B = jax.device_put(tokens_BxC, d.rows), jax.device_put(pad_B, d.rows)
     eod = -1 if d.eod is None else d.eod
     out_BxC = _decode(
         d.graphdef, d.state, tokens_BxC, pad_B, T, n, d.key, d.temperature, eod, top_k=d.top_k, n_vocab=d.n_vocab
@@ -264,6 +267,7 @@ def sample(
     n_vocab: int = 0,
     eod: int | None = None,
     cache: bool = True,
+    rows=None,
 ) -> list[list[int]]:
     """Each prompt's continuation (token ids), stopped before `eod` if drawn; ids from n_vocab on (0: the model's
     vocabulary) are never drawn. A prompt continues as it would alone, whatever it is batched with.
@@ -271,7 +275,8 @@ def sample(
     cache=True prefills the prompts (left-padded to the longest) and draws one token per step from a KV cache while
     the longest row fits in model.max_seq_len; past that the model sees each row's last max_seq_len tokens, and every
     token re-reads that window (the cached keys were computed from earlier windows). cache=False is that windowed
-    forward from the first token: the reference, equal greedy tokens.
+    forward from the first token: the reference, equal greedy tokens. `rows`: a sharding of the batch's leading axis
+    over several devices, each decoding its rows with the model whole on it (the prompts a multiple of them).
     """
     check_sampling(max_new_tokens, temperature, top_k)
     if not isinstance(model, Decodable):
@@ -283,7 +288,7 @@ def sample(
     check_prompts(prompts, P)
     n_vocab = min(n_vocab or V, V)
     graphdef, state = nnx.split(model)
-    d = _Draw(graphdef, state, jax.random.key(seed), float(temperature), min(top_k, n_vocab), n_vocab, eod, P)
+    d = _Draw(graphdef, state, jax.random.key(seed), float(temperature), min(top_k, n_vocab), n_vocab, eod, P, rows)
     new, done, start = [[] for _ in prompts], [False] * len(prompts), 0
     if cache and max_new_tokens:
         start, new, done = _sample_cached(d, prompts, max_new_tokens)

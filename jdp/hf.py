@@ -67,6 +67,7 @@ __all__ = [
     "model_config",
     "model_fields",
     "new_directory",
+    "output_rows",
     "read_config",
     "written_whole",
 ]
@@ -80,7 +81,7 @@ TOKENIZER_FILES = (
 )  # fmt: skip
 # ModelConfig's fields that are how a run computes, not what the model is: config.json never sets them.
 _RUN_SETTINGS = ("dtype", "param_dtype", "attention", "vocab_valid", "remat", "remat_every", "lora_rank", "lora_alpha",
-                 "lora_dropout", "lora_targets", "lora_rslora", "lora_modules_to_save", "base_dtype")
+                 "lora_dropout", "lora_targets", "lora_rslora", "lora_modules_to_save", "base_dtype")  # fmt: skip
 
 
 def architectures() -> dict:
@@ -474,9 +475,7 @@ def export(model, cfg, out_dir: str | Path, tokenizer_path: str = "byte") -> lis
     tokenizer_files = _tokenizer_files(tokenizer_path)
     arch = _export_architecture(cfg)
     imported = bool(source) and is_hf_dir(source)
-    vocab = m.vocab_valid or m.vocab_size  # an import's own rows: its config.json's vocab_size
-    if not source:  # a model jdp made: only the ids its tokenizer has
-        vocab = min(vocab, tokenizer.vocab_size)
+    vocab = output_rows(cfg, tokenizer)
     tensors = _export_tensors(model, m, arch, vocab)
     ids = {"bos_token_id": tokenizer.eod_id, "eos_token_id": tokenizer.eod_id}
     if imported:  # the original's special ids (Llama's bos differs from its eos), as its tokenizer has them
@@ -497,6 +496,13 @@ def export(model, cfg, out_dir: str | Path, tokenizer_path: str = "byte") -> lis
         if tokenizer_path == "byte":
             _write_byte_tokenizer(tmp)
     return sorted(p.name for p in out.iterdir())
+
+
+def output_rows(cfg, tokenizer) -> int:
+    """The output rows an export writes: an import's own (its config.json's vocab_size, jdp's padding cut off); for
+    a model jdp made, only the ids its tokenizer has."""
+    vocab = cfg.model.vocab_valid or cfg.model.vocab_size
+    return vocab if cfg.train.init_from else min(vocab, tokenizer.vocab_size)
 
 
 def new_directory(out_dir: str | Path) -> Path:

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jdp import hf, live, peft, preference
+from jdp import harness, hf, live, peft, preference
 from jdp.build import comm_hook, run_model
 from jdp.config import Config, ConfigError, Derived, check
 from jdp.data.dataset import Source
@@ -53,6 +53,8 @@ class LanguageModel(Trainer):
         super().__init__(None, objective_loss(cfg), optimizer, None, cfg, schedule=schedule, world=world,
                          comm_hook=comm_hook(cfg.parallel, cfg.train.seed), handle_signals=handle_signals)  # fmt: skip
         self.adopted, self.imported = list(adopted), None
+        if cfg.train.eval_tasks:  # the harness's tasks found (or refused) now, before any compute
+            self.callbacks.append(harness.HarnessEval(cfg, harness.check_tasks(cfg)))
         self.pairs = cfg.train.objective != "lm"  # the loss weight counts pairs (data.format=preference)
         self.unit = "pairs" if self.pairs else "tokens"
 

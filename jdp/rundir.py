@@ -62,6 +62,10 @@ class RunDir:
         return self.path / "tensorboard"
 
     @property
+    def eval_dir(self) -> Path:
+        return self.path / "eval"  # the evaluation harness's results: step_N.json (train.eval_tasks, jdp eval)
+
+    @property
     def wandb(self) -> Path:
         return self.path / "wandb"
 

@@ -383,7 +383,7 @@ class Launcher:
         return code if code > 0 else 1
 
 
-JDP_COMMANDS = ("train", "allreduce", "plot", "generate", "export", "plan")
+JDP_COMMANDS = ("train", "allreduce", "plot", "generate", "export", "eval", "plan")
 
 
 def nodes_range(value) -> tuple[int, int]:
