@@ -623,10 +623,12 @@ class HarnessEval(Periodic):
         self.lm.use(loop.state, step)
         with _quiet_and_seeded_apart(capture=True):
             results = evaluate(self.lm, self.tasks, self.manager, self.limit, bootstrap_iters=0)
+        if results is None or not loop.is_main:  # the harness returns them where LOCAL_RANK is 0 (process 0 does)
+            loop.not_training()
+            return
         found = metrics_of(results)
         loop.write({"step": step, **found})
-        if loop.is_main:
-            write_results(results, loop.run.run_dir.eval_dir / f"step_{step}.json")
+        write_results(results, loop.run.run_dir.eval_dir / f"step_{step}.json")
         shown = ", ".join(f"{k.removeprefix('eval_')} {v:.4g}" for k, v in found.items())
         loop.say(f"step {step}: harness: {shown}")
         loop.not_training()

@@ -55,18 +55,19 @@ def write_tasks(d: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def run(made_once):
-    """A tiny GPT trained 40 steps on 4 devices, the harness's three tasks run inside training every 20 steps: made
-    once per session, on one worker (conftest's made_once); tests only read it."""
+    """A tiny GPT trained 40 steps by 2 processes x 2 devices (jdp launch), the harness's three tasks run inside
+    training every 20 steps (no held-out loss: the evaluation time is the harness's alone): made once per session,
+    on one worker (conftest's made_once); tests only read what it wrote."""
 
     def make(d: Path) -> None:
         tasks = write_tasks(d / "tasks")
         out = subprocess.run(
-            [sys.executable, "-m", "jdp.cli", "train", "tiny", "train.steps=40", "train.batch_size=16",
-             "data.seq_len=64", "data.val_tokens=4096", "train.eval_every=20", "train.ckpt_every=20",
+            [sys.executable, "-m", "jdp.cli", "launch", "--nproc-per-node", "2", "--devices-per-proc", "2",
+             "--coordinator", f"127.0.0.1:{free_port()}", "--", "train", "tiny", "train.steps=40",
+             "train.batch_size=16", "data.seq_len=64", "data.val_tokens=0", "train.ckpt_every=20",
              "train.progress=false", f"train.run_dir={d / 'run'}", f"train.eval_tasks={','.join(TASKS)}",
              "train.eval_tasks_every=20", f"train.eval_tasks_path={tasks}"],
-            env={**ENV, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}, capture_output=True, text=True,
-            timeout=600,
+            env=ENV, capture_output=True, text=True, timeout=600,
         )  # fmt: skip
         assert out.returncode == 0, out.stderr[-3000:]
         (d / "output.txt").write_text(out.stdout + out.stderr)
@@ -79,7 +80,9 @@ def answers(results: dict) -> dict:
     """Every request's answer, by task and document: [(log-likelihood, greedy)] (t_mc), [total] (t_ppl) or [text]
     (t_gen); lm_eval's own command writes the numbers as strings, read back here."""
     kind = {"t_mc": lambda r: (float(r[0]), str(r[1]) == "True"), "t_ppl": float, "t_gen": str}
-    return {t: {s["doc_id"]: [kind[t](r[0]) for r in s["resps"]] for s in rows} for t, rows in results["samples"].items()}
+    return {
+        t: {s["doc_id"]: [kind[t](r[0]) for r in s["resps"]] for s in rows} for t, rows in results["samples"].items()
+    }
 
 
 def assert_same_answers(a: dict, b: dict, atol: float) -> None:
@@ -102,7 +105,9 @@ def jdp_answers(run_dir: Path, tasks: Path, **kwargs) -> dict:
     return harness.evaluate(lm, TASKS, harness.task_manager(TASKS, str(tasks)), log_samples=True, bootstrap_iters=0)
 
 
-def test_in_training_the_harness_writes_its_metrics_beside_eval_loss_and_counts_as_evaluation(run):
+def test_in_training_the_harness_writes_its_metrics_and_counts_as_evaluation(run):
+    """2 processes x 2 devices trained and evaluated; the numbers logged at step 40 are those of its checkpoint
+    evaluated afterwards by one process of 4 devices."""
     run_dir, tasks, output = run
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     harness = {r["step"]: r for r in records if "eval_t_mc/acc" in r}
@@ -111,13 +116,20 @@ def test_in_training_the_harness_writes_its_metrics_beside_eval_loss_and_counts_
             "eval_t_gen/exact_match"}  # fmt: skip
     assert keys <= set(harness[40]), harness[40]
     assert harness[40]["eval_t_ppl/bits_per_byte"] < harness[20]["eval_t_ppl/bits_per_byte"]  # it learns
-    assert "step 40: harness: t_mc/acc" in output
+    assert output.count("step 40: harness: t_mc/acc") == 1  # said once, by process 0
+    assert "it/s]" not in output and "not a git repository" not in output  # the harness's own noise held back
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(run_dir / "tensorboard"))
+    tb.Reload()
+    assert [(e.step, e.value) for e in tb.Scalars("eval/t_mc/acc_norm")] == [
+        (s, pytest.approx(harness[s]["eval_t_mc/acc_norm"])) for s in (20, 40)
+    ]
     for step in (20, 40):
         saved = json.loads((run_dir / "eval" / f"step_{step}.json").read_text())
         assert saved["results"]["t_mc"]["acc,none"] == harness[step]["eval_t_mc/acc"]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["goodput"]["eval_s"] > 0, summary
-    # the same checkpoint evaluated afterwards gives the numbers training logged at its step
+    assert summary["goodput"]["eval_s"] > 0, summary  # no held-out loss in this run: the harness's time
     offline = jdp_answers(run_dir, tasks, step=40)["results"]
     for key in keys:
         task, metric = key.removeprefix("eval_").split("/")
@@ -127,9 +139,9 @@ def test_in_training_the_harness_writes_its_metrics_beside_eval_loss_and_counts_
 def test_one_device_four_devices_and_two_processes_answer_every_request_alike(run, tmp_path):
     """4 devices (this process), 1 device (lm_eval's own command, `--model jdp`), 2 processes (jdp launch -- eval)."""
     run_dir, tasks, _ = run
-    four = answers(jdp_answers(run_dir, tasks, batch_size=5))  # 5 rows a call: padded to 8, two on each device
+    four = answers(jdp_answers(run_dir, tasks, step=40, batch_size=5))  # 5 rows a call: padded to 8, 2 a device
     one = subprocess.run(
-        [sys.executable, "-m", "jdp.harness", "run", "--model", "jdp", "--model_args", f"run={run_dir}",
+        [sys.executable, "-m", "jdp.harness", "run", "--model", "jdp", "--model_args", f"run={run_dir},step=40",
          "--tasks", *TASKS, "--include_path", str(tasks), "--log_samples", "--output_path", str(tmp_path / "one")],
         env={**ENV, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}, capture_output=True, text=True,
         timeout=300,
@@ -141,12 +153,14 @@ def test_one_device_four_devices_and_two_processes_answer_every_request_alike(ru
     two = subprocess.run(
         [sys.executable, "-m", "jdp.cli", "launch", "--nproc-per-node", "2", "--coordinator", f"127.0.0.1:{free_port()}",
          "--", "eval", str(run_dir), "--tasks", ",".join(TASKS), "--include-path", str(tasks), "--log-samples",
-         "--bootstrap-iters", "0", "-o", str(tmp_path / "two.json")],
+         "--bootstrap-iters", "0", "--step", "40"],
         env=ENV, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert two.returncode == 0, two.stderr[-3000:]
     assert "|t_mc |" in two.stdout  # the harness's table, printed once, by process 0
-    rows = [json.loads(line) for line in (tmp_path / "two.samples.jsonl").read_text().splitlines()]
+    (written,) = (run_dir / "eval").glob("step_40-*.samples.jsonl")  # RUN_DIR/eval/step_N-TIME: the default
+    assert written.with_name(written.name.replace(".samples.jsonl", ".json")).is_file()
+    rows = [json.loads(line) for line in written.read_text().splitlines()]
     by_task = {t: [r for r in rows if r["task"] == t] for t in TASKS}
     assert_same_answers(four, answers({"samples": by_task}), atol=1e-5)
     assert any(text.strip() for (text,) in four["t_gen"].values()), four["t_gen"]  # generations to compare, not blanks
@@ -237,6 +251,35 @@ def test_under_fsdp_every_row_scores_as_under_ddp(run):
     assert jax.device_count() == 4 and len(scores["fsdp"]) == len(rows)
     for (a, greedy_a), (b, greedy_b) in zip(scores["ddp"], scores["fsdp"], strict=True):
         assert abs(a - b) <= 1e-5 * max(1.0, abs(a)) and greedy_a == greedy_b and a < 0
+
+
+def test_chat_tasks_are_rendered_with_the_runs_chat_template(run, tmp_path):
+    """--apply_chat_template: each request's prompt is the run's template (data.chat_template) rendered over the
+    harness's conversation, with the generation prompt; the answer is generated after it."""
+    import dataclasses
+
+    from jdp import harness
+    from jdp.data.chat import ChatTemplate
+
+    run_dir, tasks, _ = run
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}<assistant>{% endif %}")  # fmt: skip
+    source = harness._offline(str(run_dir), 40)
+    source.cfg = dataclasses.replace(source.cfg, data=dataclasses.replace(source.cfg.data, chat_template=str(template)))
+    lm = harness.JdpLM(source=source)
+    out = harness.evaluate(lm, ["t_gen"], harness.task_manager(["t_gen"], str(tasks)), limit=2, log_samples=True,
+                           apply_chat_template=True, bootstrap_iters=0)  # fmt: skip
+    rendered = ChatTemplate.load(source.cfg.data)
+    for sample in out["samples"]["t_gen"]:
+        prompt = (
+            sample["arguments"][0][0]
+            if isinstance(sample["arguments"], list)
+            else sample["arguments"]["gen_args_0"]["arg_0"]
+        )
+        want = rendered.render([{"role": "user", "content": PROMPTS[sample["doc_id"]]}], add_generation_prompt=True)
+        assert prompt == want and prompt.endswith("<assistant>"), (prompt, want)
+    assert lm.chat_template(True) == template.read_text()
 
 
 def test_the_entry_point_gives_lm_eval_the_jdp_model():
