@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jdp import decode, parallel
+from jdp import decode, hf, parallel
 from jdp.callbacks import Loop, Periodic
 from jdp.config import Config, ConfigError
 from jdp.log import logger
@@ -149,7 +149,7 @@ def _offline(path: str, step: int | None) -> Source:
     mesh = parallel.make_mesh()
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     state = SimpleNamespace(params=_everywhere(params, mesh), rest=_everywhere(rest, mesh), shapes=None)
-    rows = (cfg.model.vocab_valid or cfg.model.vocab_size) if at is None else _export_rows(cfg, tokenizer)
+    rows = (cfg.model.vocab_valid or cfg.model.vocab_size) if at is None else hf.output_rows(cfg, tokenizer)
     local = _on_local_devices(graphdef, params, rest)
     return Source(cfg=cfg, tokenizer=tokenizer, graphdef=graphdef, state=state, mesh=mesh, strategy="ddp",
                   local=lambda: local, step=at, rows=rows)  # fmt: skip
@@ -204,7 +204,7 @@ def _from_training(loop: Loop, tokenizer) -> Source:
         return _on_local_devices(graphdef, state.params, state.rest)
 
     source = Source(cfg=cfg, tokenizer=tokenizer, graphdef=graphdef, state=loop.state, mesh=run.mesh,
-                    strategy=cfg.parallel.strategy, local=local, step=loop.done, rows=_export_rows(cfg, tokenizer))  # fmt: skip
+                    strategy=cfg.parallel.strategy, local=local, step=loop.done, rows=hf.output_rows(cfg, tokenizer))  # fmt: skip
     return source
 
 
@@ -214,12 +214,6 @@ def _in_eval_mode(graphdef, state):
     model = nnx.merge(graphdef, shapes(state.params), shapes(state.rest))
     model.eval()
     return nnx.graphdef(model)
-
-
-def _export_rows(cfg: Config, tokenizer) -> int:
-    from jdp import hf
-
-    return hf.output_rows(cfg, tokenizer)
 
 
 def _join_job() -> None:
@@ -242,8 +236,7 @@ def _join_job() -> None:
 
 
 def _token_id(tokenizer, text: str) -> int | None:
-    if text == "<|endoftext|>" and tokenizer.name == "byte":
-        return tokenizer.eod_id
+    """A Hugging Face tokenizer's id of the token `text` (None if it has none)."""
     tok = getattr(tokenizer, "_tok", None)
     if tok is None:
         return None

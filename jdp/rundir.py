@@ -136,7 +136,7 @@ class RunDir:
 
     def trees(self) -> list[Path]:
         """The directories of this layout whose contents jdp writes, reads and moves."""
-        return [self.checkpoints, self.damaged_checkpoints, self.data_states, self.tensorboard]
+        return [self.checkpoints, self.damaged_checkpoints, self.data_states, self.tensorboard, self.eval_dir]
 
     def check_contained(self) -> None:
         """Refuse a run directory with a link that leads out of it (raises RunDirEscape): jdp writes metrics,
